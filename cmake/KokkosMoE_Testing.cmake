@@ -1,0 +1,80 @@
+# kokkosmoe_add_test(<name> SOURCES <src>... [RANKS <n>...] [LABELS <l>...]
+#                    [TIMEOUT <s>] [LIBRARIES <lib>...] [ARGS <arg>...])
+#
+# Builds one Catch2 executable (MPI test main) and registers it at every rank
+# count in RANKS (default 1) as <name>_np<N>, through FindMPI's variables.
+# Counts above KokkosMoE_MPIEXEC_MAX_NUMPROCS are skipped. Labels: "unit" for
+# single-rank tests, "mpi" otherwise, plus "np<N>" and any LABELS given.
+
+set(KOKKOSMOE_TEST_MAX_TIMEOUT 120)
+
+set(KOKKOSMOE_MPIEXEC_PREFLAGS ${MPIEXEC_PREFLAGS})
+execute_process(COMMAND ${MPIEXEC_EXECUTABLE} --version OUTPUT_VARIABLE _kmoe_mpiexec_version ERROR_QUIET)
+if(_kmoe_mpiexec_version MATCHES "Open MPI|OpenRTE" AND NOT "--oversubscribe" IN_LIST KOKKOSMOE_MPIEXEC_PREFLAGS)
+  list(APPEND KOKKOSMOE_MPIEXEC_PREFLAGS --oversubscribe)
+endif()
+
+# Environment of every test: root-friendly OpenMPI, one BLAS/OpenMP thread per
+# rank (ranks share the cores), no Kokkos tools.
+set(KOKKOSMOE_TEST_ENVIRONMENT
+  OMPI_ALLOW_RUN_AS_ROOT=1
+  OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  OMPI_MCA_rmaps_base_oversubscribe=1
+  OPENBLAS_NUM_THREADS=1
+  OMP_NUM_THREADS=1
+  OMP_PROC_BIND=false)
+
+function(kokkosmoe_register_mpi_command name nranks)
+  cmake_parse_arguments(ARG "" "TIMEOUT;WORKING_DIRECTORY" "COMMAND;LABELS;PASS_REGULAR_EXPRESSION;FAIL_REGULAR_EXPRESSION;DEPENDS;FIXTURES" ${ARGN})
+  if(nranks GREATER KokkosMoE_MPIEXEC_MAX_NUMPROCS)
+    return()
+  endif()
+  set(timeout ${ARG_TIMEOUT})
+  if(NOT timeout OR timeout GREATER KOKKOSMOE_TEST_MAX_TIMEOUT)
+    set(timeout ${KOKKOSMOE_TEST_MAX_TIMEOUT})
+  endif()
+  add_test(NAME ${name}
+           COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${nranks} ${KOKKOSMOE_MPIEXEC_PREFLAGS}
+                   ${ARG_COMMAND} ${MPIEXEC_POSTFLAGS})
+  if(ARG_WORKING_DIRECTORY)
+    set_tests_properties(${name} PROPERTIES WORKING_DIRECTORY ${ARG_WORKING_DIRECTORY})
+  endif()
+  set(labels np${nranks} ${ARG_LABELS})
+  if(nranks EQUAL 1)
+    list(APPEND labels unit)
+  else()
+    list(APPEND labels mpi)
+  endif()
+  list(REMOVE_DUPLICATES labels)
+  set_tests_properties(${name} PROPERTIES
+    PROCESSORS ${nranks}
+    TIMEOUT ${timeout}
+    LABELS "${labels}"
+    ENVIRONMENT "${KOKKOSMOE_TEST_ENVIRONMENT}")
+  if(ARG_PASS_REGULAR_EXPRESSION)
+    set_tests_properties(${name} PROPERTIES PASS_REGULAR_EXPRESSION "${ARG_PASS_REGULAR_EXPRESSION}")
+  endif()
+  if(ARG_FAIL_REGULAR_EXPRESSION)
+    set_tests_properties(${name} PROPERTIES FAIL_REGULAR_EXPRESSION "${ARG_FAIL_REGULAR_EXPRESSION}")
+  endif()
+  if(ARG_FIXTURES)
+    set_tests_properties(${name} PROPERTIES FIXTURES_REQUIRED "${ARG_FIXTURES}")
+  endif()
+endfunction()
+
+function(kokkosmoe_add_test name)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;RANKS;LABELS;LIBRARIES;ARGS" ${ARGN})
+  if(NOT ARG_RANKS)
+    set(ARG_RANKS 1)
+  endif()
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE kokkosmoe_test_main ${ARG_LIBRARIES})
+  target_compile_options(${name} PRIVATE ${KOKKOSMOE_WARNINGS})
+  foreach(n IN LISTS ARG_RANKS)
+    kokkosmoe_register_mpi_command(${name}_np${n} ${n}
+      COMMAND $<TARGET_FILE:${name}> ${ARG_ARGS}
+      LABELS ${ARG_LABELS}
+      TIMEOUT ${ARG_TIMEOUT}
+      WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+  endforeach()
+endfunction()

@@ -1,0 +1,38 @@
+// MPI test main: MPI first, then Kokkos, then Catch2. Every rank runs the same
+// tests; the exit code is the maximum over ranks so all ranks agree.
+
+#if KMOE_CATCH2_MAJOR >= 3
+#include <catch2/catch_session.hpp>
+#else
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+#endif
+
+#include <Kokkos_Core.hpp>
+#include <mpi.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+int main(int argc, char* argv[]) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int result = 0;
+  {
+    Kokkos::ScopeGuard guard(argc, argv);
+    Catch::Session session;
+    // Ranks other than 0 report only failures, so the log stays readable.
+    std::vector<char*> args(argv, argv + argc);
+    std::string const quiet = "--reporter=compact";
+    if (rank != 0) args.push_back(const_cast<char*>(quiet.c_str()));
+    int rc = session.applyCommandLine(static_cast<int>(args.size()), args.data());
+    if (rc == 0) rc = session.run();
+    MPI_Allreduce(&rc, &result, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (rank == 0 && result != rc) std::fprintf(stderr, "kmoe test: another rank failed (exit %d)\n", result);
+  }
+  MPI_Finalize();
+  return result;
+}

@@ -1,0 +1,39 @@
+#ifndef KMOE_TEST_UTIL_HPP
+#define KMOE_TEST_UTIL_HPP
+
+// Small helpers shared by the tests: fixture loading and MPI facts.
+
+#include <nlohmann/json.hpp>
+#include <mpi.h>
+
+#include <fstream>
+#include <stdexcept>
+#include <string>
+
+namespace kmoe_test {
+
+/// Reads tests/data/fixtures/<name> (identical copies of the shared fixtures).
+inline nlohmann::json fixture(std::string const& name) {
+  std::string const path = std::string(KMOE_TEST_DATA_DIR) + "/fixtures/" + name;
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot open fixture " + path);
+  return nlohmann::json::parse(in);
+}
+
+inline std::string data_path(std::string const& name) { return std::string(KMOE_TEST_DATA_DIR) + "/" + name; }
+
+inline int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+inline int world_size() {
+  int s = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  return s;
+}
+
+}  // namespace kmoe_test
+
+#endif
