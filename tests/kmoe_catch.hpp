@@ -10,10 +10,9 @@
 #include <catch2/generators/catch_generators.hpp>
 #include <catch2/matchers/catch_matchers_floating_point.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
-#else
-#include <catch2/catch.hpp>
-#endif
-
 using Catch::Approx;
+#else
+#include <catch2/catch.hpp>  // v2 defines ::Approx itself
+#endif
 
 #endif
