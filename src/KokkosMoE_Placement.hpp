@@ -8,7 +8,8 @@
 ///
 /// Identity namespaces: logical expert id (0..E-1), physical slot id
 /// (0..S-1, unique within the generation), replica rank (index among one
-/// expert's copies, in ascending slot order), global rank, node id.
+/// expert's copies: ascending slot order unless the slots set it), global
+/// rank, node id.
 /// A rank's local slots are its slots in ascending slot id order; that order
 /// is the expert-major segment order on the receiving rank.
 
@@ -28,6 +29,11 @@ struct SlotInfo {
   int node = -1;               ///< node of that rank (-1: filled from the rank -> node map)
   std::uint64_t version = 0;   ///< checkpoint version of the stored parameters
   std::uint64_t digest = 0;    ///< content digest of the stored parameters
+  /// Replica rank among the expert's copies. -1 everywhere: copies are
+  /// numbered in ascending slot order. Otherwise every slot sets it and each
+  /// expert's values are exactly 0..copies-1 (EPLB numbers copies in the
+  /// order the solver created them, which need not be slot order).
+  int replica = -1;
 };
 
 /// \brief An immutable placement generation (host data; device mirrors are
@@ -37,7 +43,10 @@ class Placement {
   Placement() = default;
   /// \brief Validates and indexes slots: every expert in [0, E) has at least
   /// one slot, every slot's rank is in [0, ranks), nodes consistent with
-  /// node_of_rank (when given). Throws Error naming the offending slot.
+  /// node_of_rank (when given; a slot with node -1 takes its rank's node),
+  /// replica ranks either all -1 (ascending slot order) or all given and a
+  /// permutation of 0..copies-1 per expert. Throws Error naming the
+  /// offending slot.
   Placement(int num_experts, int num_ranks, std::vector<SlotInfo> slots,
             std::vector<int> const& node_of_rank = {}, std::uint64_t generation = 0);
 
@@ -62,8 +71,21 @@ class Placement {
   /// \brief Position of slot s in its rank's local slot order.
   int local_index(int s) const { return local_index_.at(static_cast<std::size_t>(s)); }
 
+  /// \brief The rank -> node map given at construction (empty when none was given).
+  std::vector<int> const& node_of_rank() const { return node_of_rank_; }
+  /// \brief Number of slots of rank r.
+  int num_slots_of_rank(int r) const { return static_cast<int>(slots_of_rank(r).size()); }
+
   /// \brief Same slots, new generation id.
   Placement with_generation(std::uint64_t generation) const;
+  /// \brief Same slots with the given per-slot parameter digests ([S]).
+  Placement with_digests(std::vector<std::uint64_t> const& digest_of_slot) const;
+  /// \brief Same slots; every copy of expert e gets digest_of_expert[e] ([E]) and
+  /// checkpoint version `version`.
+  Placement with_expert_digests(std::vector<std::uint64_t> const& digest_of_expert, std::uint64_t version) const;
+  /// \brief Same slots with nodes taken from node_of_rank ([ranks]); slots whose
+  /// node is already set must agree.
+  Placement with_nodes(std::vector<int> const& node_of_rank) const;
 
   /// \brief A placement where expert e lives only on rank e * ranks / E (contiguous blocks).
   static Placement contiguous(int num_experts, int num_ranks, std::vector<int> const& node_of_rank = {});
@@ -77,14 +99,32 @@ class Placement {
   std::vector<SlotInfo> slots_;
   std::vector<int> phy2log_, replica_rank_, logcnt_, local_index_;
   std::vector<std::vector<int>> log2phy_, rank_slots_;
+  std::vector<int> node_of_rank_;
   int max_copies_ = 0;
 };
+
+/// \brief Checks that every slot's node matches node_of_rank ([ranks] of the
+/// EP communicator, in EP rank order): the placement's rank count must equal
+/// node_of_rank.size(), and a slot whose node is unset (-1) or differs from its
+/// rank's node is an error naming the slot, its expert, rank and both nodes.
+void validate_placement_nodes(Placement const& placement, std::vector<int> const& node_of_rank);
+
+/// \brief Checks a placement against a topology of the EP communicator
+/// (anything with size() and node_of(rank), e.g. KokkosMoE::Topology::Topology):
+/// every slot's rank is an EP rank and its node is the topology's node of that
+/// rank. Throws Error naming the first offending slot.
+template <class TopologyLike>
+void validate_placement_topology(Placement const& placement, TopologyLike const& topology) {
+  std::vector<int> node_of_rank(static_cast<std::size_t>(topology.size()));
+  for (int r = 0; r < topology.size(); ++r) node_of_rank[static_cast<std::size_t>(r)] = topology.node_of(r);
+  validate_placement_nodes(placement, node_of_rank);
+}
 
 /// \brief How a route's physical replica is chosen among its expert's copies.
 enum class ReplicaPolicy {
   locality,     ///< same rank, then same node, then least predicted load, then lowest slot
-  round_robin,  ///< copy (route id mod copies), in slot order
-  hash,         ///< copy (mix(route id) mod copies), in slot order
+  round_robin,  ///< copy (route id mod copies), in replica-rank (log2phy) order
+  hash,         ///< copy (mix(route id) mod copies), in replica-rank (log2phy) order
 };
 std::string to_string(ReplicaPolicy p);
 ReplicaPolicy replica_policy_from_string(std::string const& name);
@@ -125,33 +165,105 @@ struct ReplicaChoice {
 std::vector<int> locality_choice(Placement const& placement, int origin_rank, int origin_node,
                                  std::vector<double> const& slot_load = {}, std::uint64_t version = 0);
 
+/// \brief Slots of every expert that are compatible with checkpoint version
+/// `version` (any version when 0) and lie on a rank in [0, ranks), in
+/// replica-rank order. Throws Error naming an expert without one.
+std::vector<std::vector<int>> compatible_copies(Placement const& placement, std::uint64_t version = 0);
+
 /// \brief Builds the device-side choice for routes originating on origin_rank.
+/// Every policy chooses among the compatible copies only (see
+/// compatible_copies): locality through locality_choice, round-robin and hash
+/// over the compatible copies in replica-rank order. slot(e, route) therefore
+/// returns exactly one compatible slot storing e.
 template <class MemorySpace = Kokkos::DefaultExecutionSpace::memory_space>
 ReplicaChoice<MemorySpace> make_replica_choice(Placement const& placement, int origin_rank, int origin_node,
                                                ReplicaPolicy policy = ReplicaPolicy::locality,
                                                std::vector<double> const& slot_load = {},
                                                std::uint64_t version = 0) {
-  ReplicaChoice<MemorySpace> c;
-  c.policy = policy;
   int const E = placement.num_experts();
-  c.table = Kokkos::View<int*, MemorySpace>("KokkosMoE::ReplicaChoice::table", E);
-  c.log2phy = Kokkos::View<int**, Kokkos::LayoutRight, MemorySpace>("KokkosMoE::ReplicaChoice::log2phy", E,
-                                                                    placement.max_copies());
-  c.logcnt = Kokkos::View<int*, MemorySpace>("KokkosMoE::ReplicaChoice::logcnt", E);
-  auto ht = Kokkos::create_mirror_view(c.table);
-  auto hl = Kokkos::create_mirror_view(c.log2phy);
-  auto hc = Kokkos::create_mirror_view(c.logcnt);
+  auto const copies = compatible_copies(placement, version);
+  int max_copies = 1;
+  for (auto const& cp : copies)
+    if (static_cast<int>(cp.size()) > max_copies) max_copies = static_cast<int>(cp.size());
+  // Views are built complete and then aggregated (no assignment into
+  // default-constructed views).
+  Kokkos::View<int*, MemorySpace> table("KokkosMoE::ReplicaChoice::table", E);
+  Kokkos::View<int**, Kokkos::LayoutRight, MemorySpace> log2phy("KokkosMoE::ReplicaChoice::log2phy", E, max_copies);
+  Kokkos::View<int*, MemorySpace> logcnt("KokkosMoE::ReplicaChoice::logcnt", E);
+  auto ht = Kokkos::create_mirror_view(table);
+  auto hl = Kokkos::create_mirror_view(log2phy);
+  auto hc = Kokkos::create_mirror_view(logcnt);
   std::vector<int> chosen;
   if (policy == ReplicaPolicy::locality) chosen = locality_choice(placement, origin_rank, origin_node, slot_load, version);
   for (int e = 0; e < E; ++e) {
-    hc(e) = placement.logcnt()[e];
-    for (int j = 0; j < placement.max_copies(); ++j) hl(e, j) = placement.log2phy()[e][j];
-    ht(e) = chosen.empty() ? placement.log2phy()[e][0] : chosen[e];
+    auto const& cp = copies[static_cast<std::size_t>(e)];
+    hc(e) = static_cast<int>(cp.size());
+    for (int j = 0; j < max_copies; ++j) hl(e, j) = j < static_cast<int>(cp.size()) ? cp[static_cast<std::size_t>(j)] : -1;
+    ht(e) = chosen.empty() ? cp.front() : chosen[static_cast<std::size_t>(e)];
   }
-  Kokkos::deep_copy(c.table, ht);
-  Kokkos::deep_copy(c.log2phy, hl);
-  Kokkos::deep_copy(c.logcnt, hc);
-  return c;
+  Kokkos::deep_copy(table, ht);
+  Kokkos::deep_copy(log2phy, hl);
+  Kokkos::deep_copy(logcnt, hc);
+  return ReplicaChoice<MemorySpace>{policy, table, log2phy, logcnt};
+}
+
+/// \brief As make_replica_choice, after checking the placement against the
+/// topology of the EP communicator (validate_placement_topology); the origin
+/// node is the topology's node of origin_rank.
+template <class MemorySpace = Kokkos::DefaultExecutionSpace::memory_space, class TopologyLike>
+ReplicaChoice<MemorySpace> make_checked_replica_choice(Placement const& placement, TopologyLike const& topology,
+                                                       int origin_rank, ReplicaPolicy policy = ReplicaPolicy::locality,
+                                                       std::vector<double> const& slot_load = {},
+                                                       std::uint64_t version = 0) {
+  validate_placement_topology(placement, topology);
+  KOKKOSMOE_REQUIRE(origin_rank >= 0 && origin_rank < topology.size(),
+                    "replica choice: origin rank " << origin_rank << " outside the EP communicator of "
+                                                   << topology.size() << " ranks");
+  return make_replica_choice<MemorySpace>(placement, origin_rank, topology.node_of(origin_rank), policy, slot_load,
+                                          version);
+}
+
+/// \brief Device-side view of a placement for kernels: per physical slot its
+/// logical expert, rank, node and position among its rank's local slots.
+template <class MemorySpace = Kokkos::DefaultExecutionSpace::memory_space>
+struct DevicePlacement {
+  std::uint64_t generation = 0;
+  int num_experts = 0;
+  int num_ranks = 0;
+  Kokkos::View<int*, MemorySpace> phy2log;      ///< [S]
+  Kokkos::View<int*, MemorySpace> slot_rank;    ///< [S]
+  Kokkos::View<int*, MemorySpace> slot_node;    ///< [S]
+  Kokkos::View<int*, MemorySpace> local_index;  ///< [S]
+  int num_slots() const { return static_cast<int>(phy2log.extent(0)); }
+};
+
+/// \brief Copies the slot tables of a placement to MemorySpace.
+template <class MemorySpace = Kokkos::DefaultExecutionSpace::memory_space>
+DevicePlacement<MemorySpace> make_device_placement(Placement const& p) {
+  DevicePlacement<MemorySpace> d;
+  d.generation = p.generation();
+  d.num_experts = p.num_experts();
+  d.num_ranks = p.num_ranks();
+  int const S = p.num_slots();
+  d.phy2log = Kokkos::View<int*, MemorySpace>("KokkosMoE::DevicePlacement::phy2log", S);
+  d.slot_rank = Kokkos::View<int*, MemorySpace>("KokkosMoE::DevicePlacement::slot_rank", S);
+  d.slot_node = Kokkos::View<int*, MemorySpace>("KokkosMoE::DevicePlacement::slot_node", S);
+  d.local_index = Kokkos::View<int*, MemorySpace>("KokkosMoE::DevicePlacement::local_index", S);
+  auto h0 = Kokkos::create_mirror_view(d.phy2log);
+  auto h1 = Kokkos::create_mirror_view(d.slot_rank);
+  auto h2 = Kokkos::create_mirror_view(d.slot_node);
+  auto h3 = Kokkos::create_mirror_view(d.local_index);
+  for (int s = 0; s < S; ++s) {
+    h0(s) = p.slot(s).expert;
+    h1(s) = p.slot(s).rank;
+    h2(s) = p.slot(s).node;
+    h3(s) = p.local_index(s);
+  }
+  Kokkos::deep_copy(d.phy2log, h0);
+  Kokkos::deep_copy(d.slot_rank, h1);
+  Kokkos::deep_copy(d.slot_node, h2);
+  Kokkos::deep_copy(d.local_index, h3);
+  return d;
 }
 
 }  // namespace KokkosMoE
