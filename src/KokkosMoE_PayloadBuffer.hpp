@@ -166,6 +166,43 @@ KOKKOS_INLINE_FUNCTION constexpr bool same_representation(PayloadType t) {
 
 }  // namespace Impl
 
+/// \brief Copies count consecutive rows of a [rows, bytes] LayoutRight view
+/// into another (same row width), on exec: one memcpy on host backends, an
+/// asynchronous contiguous deep_copy elsewhere.
+template <class Exec, class DstView, class SrcView>
+void copy_row_range(Exec const& exec, DstView const& dst, index_t dst_first, SrcView const& src, index_t src_first,
+                    index_t count) {
+  if (count <= 0) return;
+  KOKKOSMOE_REQUIRE(dst.extent(1) == src.extent(1) && dst_first + count <= static_cast<index_t>(dst.extent(0)) &&
+                        src_first + count <= static_cast<index_t>(src.extent(0)),
+                    "copy_row_range: " << count << " rows of " << src.extent(1) << " from [" << src_first << ") of "
+                                       << src.extent(0) << " into [" << dst_first << ") of " << dst.extent(0) << " x "
+                                       << dst.extent(1));
+  std::size_t const row = dst.extent(1) * sizeof(typename DstView::value_type);
+  if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename DstView::memory_space>::accessible &&
+                Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename SrcView::memory_space>::accessible) {
+    Compat::fence(exec, "KokkosMoE::copy_row_range");
+    memcpy(dst.data() + dst_first * static_cast<index_t>(dst.extent(1)), src.data() + src_first * static_cast<index_t>(src.extent(1)),
+           static_cast<std::size_t>(count) * row);
+  } else {
+    using range = std::pair<index_t, index_t>;
+    Kokkos::deep_copy(exec, Kokkos::subview(dst, range(dst_first, dst_first + count), Kokkos::ALL),
+                      Kokkos::subview(src, range(src_first, src_first + count), Kokkos::ALL));
+  }
+}
+
+/// \brief Sets every byte of a contiguous view to zero on exec (memset on host
+/// backends, a fill elsewhere).
+template <class Exec, class View>
+void zero_fill(Exec const& exec, View const& v) {
+  if constexpr (Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename View::memory_space>::accessible) {
+    Compat::fence(exec, "KokkosMoE::zero_fill");
+    if (v.span() > 0) memset(v.data(), 0, v.span() * sizeof(typename View::value_type));
+  } else {
+    Kokkos::deep_copy(exec, v, typename View::non_const_value_type{});
+  }
+}
+
 /// \brief dst row p = encode(src row index(p)) for p in [0, dst.rows()), on exec.
 /// src is a typed [n, d] matrix (float or bf16_t); index(p) returns the source
 /// row (a functor usable in kernels). Rows whose source index is negative are

@@ -60,12 +60,12 @@ std::vector<PayloadBuffer<MS>> simulated_alltoallv(Exec const& exec, std::vector
       index_t const c = counts[src][pq];
       if (c == 0) continue;
       auto const lo = offsets[src][pq];
-      using range = std::pair<index_t, index_t>;
-      Kokkos::deep_copy(exec, Kokkos::subview(recv[q].bytes, range(at, at + c), Kokkos::ALL),
-                        Kokkos::subview(send[src].bytes, range(lo, lo + c), Kokkos::ALL));
-      if (recv_meta && !send_meta.empty())
+      copy_row_range(exec, recv[q].bytes, at, send[src].bytes, lo, c);
+      if (recv_meta && !send_meta.empty()) {
+        using range = std::pair<index_t, index_t>;
         Kokkos::deep_copy(exec, Kokkos::subview((*recv_meta)[q], range(at, at + c)),
                           Kokkos::subview(send_meta[src], range(lo, lo + c)));
+      }
       at += c;
     }
   }

@@ -1,0 +1,189 @@
+// kmoe-bench exchange: dispatch + combine time of the flat, hierarchical and
+// pooled-wave exchanges next to a raw MPI_Alltoallv moving the same bytes in
+// the same run (per-peer byte counts identical to the flat exchange: rows
+// plus metadata out, rows back). Times are the slowest rank's, median of reps.
+
+#include "kmoe_bench_common.hpp"
+
+#include <KokkosMoE_Combine.hpp>
+#include <KokkosMoE_DispatchPlan.hpp>
+#include <KokkosMoE_Exchange_Flat.hpp>
+#include <KokkosMoE_Exchange_Hierarchical.hpp>
+#include <KokkosMoE_Exchange_PooledWave.hpp>
+
+#include <CLI/CLI.hpp>
+
+#include <numeric>
+#include <random>
+
+namespace {
+
+using namespace KokkosMoE;
+using Exec = Kokkos::DefaultExecutionSpace;
+using MS = Exec::memory_space;
+
+double slowest(double s) {
+  double m = 0;
+  MPI_Allreduce(&s, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return m;
+}
+
+template <class F>
+double timed(int reps, F&& f) {
+  return kmoe_bench::median_seconds(1, reps, [&] {
+    MPI_Barrier(MPI_COMM_WORLD);
+    Kokkos::Timer t;
+    f();
+    double const mine = t.seconds();
+    (void)slowest(mine);
+  });
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"exchange algorithms next to MPI_Alltoallv"};
+  int tokens = 4096, top_k = 8, width = 2048, experts = 64, reps = 5, waves = 4;
+  double sender_cf = 1.25, receiver_cf = 1.5;
+  app.add_option("--tokens", tokens, "tokens per rank")->check(CLI::NonNegativeNumber);
+  app.add_option("--top-k", top_k, "routes per token")->check(CLI::PositiveNumber);
+  app.add_option("--width", width, "hidden width d")->check(CLI::PositiveNumber);
+  app.add_option("--experts", experts, "logical experts (round-robin over ranks)")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
+  app.add_option("--waves", waves, "pooled-wave waves")->check(CLI::PositiveNumber);
+  app.add_option("--sender-cf", sender_cf, "pooled-wave sender capacity factor");
+  app.add_option("--receiver-cf", receiver_cf, "pooled-wave receiver capacity factor");
+  try {
+    app.parse(argc, argv);
+  } catch (CLI::ParseError const& e) {
+    return app.exit(e);
+  }
+  int const size = comm_size(MPI_COMM_WORLD);
+  int const rank = comm_rank(MPI_COMM_WORLD);
+  KOKKOSMOE_REQUIRE(top_k <= experts, "--top-k " << top_k << " exceeds --experts " << experts);
+  Exec exec;
+  // Two virtual nodes when the rank count allows (so relays do something).
+  Topology::LayoutSpec layout;
+  layout.kind = Topology::LayoutKind::virtual_nodes;
+  layout.ranks_per_node = size % 2 == 0 ? size / 2 : size;
+  auto topo = Topology::Topology::discover(MPI_COMM_WORLD, layout);
+  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  std::vector<int> node_of(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) node_of[r] = topo.node_of(r);
+  Placement placement = Placement::round_robin(experts, size, node_of);
+
+  RouteTable<MS> table("bench::table", tokens, top_k, experts);
+  {
+    auto e = Kokkos::create_mirror_view(table.expert);
+    auto g = Kokkos::create_mirror_view(table.gate);
+    auto a = Kokkos::create_mirror_view(table.accepted);
+    std::mt19937 rng(7u + static_cast<unsigned>(rank));
+    std::vector<int> ids(static_cast<std::size_t>(experts));
+    for (int t = 0; t < tokens; ++t) {
+      std::iota(ids.begin(), ids.end(), 0);
+      for (int j = 0; j < top_k; ++j) {
+        std::swap(ids[static_cast<std::size_t>(j)], ids[static_cast<std::size_t>(j + static_cast<int>(rng() % static_cast<unsigned>(experts - j)))]);
+        e(t, j) = ids[static_cast<std::size_t>(j)];
+        g(t, j) = 1.0f / static_cast<float>(top_k);
+        a(t, j) = 1;
+      }
+    }
+    Kokkos::deep_copy(table.expert, e);
+    Kokkos::deep_copy(table.gate, g);
+    Kokkos::deep_copy(table.accepted, a);
+  }
+  auto dp = make_device_placement<MS>(placement);
+  auto choice = make_replica_choice<MS>(placement, rank, node_of[rank]);
+  auto routes = make_route_plan(exec, table, dp, choice, rank);
+  auto plan = make_dispatch_plan(exec, routes, placement, comms.ep().peer_order());
+  RowMatrix<bf16_t, MS> hidden("bench::hidden", tokens, width);
+  Kokkos::deep_copy(hidden, bf16_t{0x3F80});
+  PayloadBuffer<MS> send(exec, "bench::send", PayloadType::bf16, width, plan.rows());
+  Kokkos::View<RowMeta*, MS> meta("bench::meta", plan.rows());
+  pack(exec, routes, plan, hidden, send, meta);
+  exec.fence();
+
+  // Raw MPI_Alltoallv with the flat exchange's per-peer bytes.
+  std::int64_t const rb = send.row_bytes();
+  std::vector<std::int64_t> recv_rows(static_cast<std::size_t>(size));
+  MPI_Alltoall(plan.counts.data(), 1, MPI_INT64_T, recv_rows.data(), 1, MPI_INT64_T, comms.ep().comm());
+  auto bytes_for = [&](std::vector<std::int64_t> const& rows, std::int64_t per_row, std::vector<int>& counts, std::vector<int>& displs) {
+    counts.resize(rows.size());
+    displs.resize(rows.size());
+    std::int64_t at = 0;
+    for (std::size_t p = 0; p < rows.size(); ++p) {
+      counts[p] = static_cast<int>(rows[p] * per_row);
+      displs[p] = static_cast<int>(at);
+      at += rows[p] * per_row;
+    }
+    return at;
+  };
+  std::vector<int> sc_d, sd_d, rc_d, rd_d, sc_c, sd_c, rc_c, rd_c;
+  auto const out_d = bytes_for(plan.counts, rb + static_cast<std::int64_t>(sizeof(RowMeta)), sc_d, sd_d);
+  auto const in_d = bytes_for(recv_rows, rb + static_cast<std::int64_t>(sizeof(RowMeta)), rc_d, rd_d);
+  bytes_for(recv_rows, rb, sc_c, sd_c);
+  bytes_for(plan.counts, rb, rc_c, rd_c);
+  std::vector<unsigned char> a_out(static_cast<std::size_t>(out_d), 1), a_in(static_cast<std::size_t>(in_d));
+  double const alltoallv_s = timed(reps, [&] {
+    MPI_Alltoallv(a_out.data(), sc_d.data(), sd_d.data(), MPI_BYTE, a_in.data(), rc_d.data(), rd_d.data(), MPI_BYTE, comms.ep().comm());
+    MPI_Alltoallv(a_in.data(), sc_c.data(), sd_c.data(), MPI_BYTE, a_out.data(), rc_c.data(), rd_c.data(), MPI_BYTE, comms.ep().comm());
+  });
+
+  std::string const shape = "T" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_d" + std::to_string(width) + "_E" +
+                            std::to_string(experts);
+  auto report = [&](char const* algo, double s, Exchange::ByteLedger const& ledger) {
+    auto const total = ledger.reduced(MPI_COMM_WORLD);
+    kmoe_bench::print_bench(std::string("exchange_") + algo + "_np" + std::to_string(size),
+                            {{"s", kmoe_bench::fmt(s)}, {"alltoallv_s", kmoe_bench::fmt(alltoallv_s)}, {"dtype", "bf16"},
+                             {"shape", shape}, {"nodes", std::to_string(topo.num_nodes())},
+                             {"inter_node_bytes", std::to_string(total.dispatch.inter_node_payload_bytes())},
+                             {"relay_rows", std::to_string(total.dispatch.relay_rows())},
+                             {"drops", std::to_string(total.dispatch.sender_drops + total.dispatch.receiver_drops)}},
+                            s / alltoallv_s);
+  };
+  {
+    Exchange::FlatExchange<> flat(comms);
+    Exchange::ByteLedger ledger;
+    double const s = timed(reps, [&] {
+      auto h = flat.dispatch(exec, placement, plan, send, meta);
+      auto back = flat.combine(exec, h, h.arrived);
+      ledger = h.ledger;
+    });
+    report("flat", s, ledger);
+  }
+  {
+    Exchange::HierarchicalExchange<> hier(comms);
+    Exchange::ByteLedger ledger;
+    double const s = timed(reps, [&] {
+      auto h = hier.dispatch(exec, placement, plan, send, meta);
+      auto back = hier.combine(exec, h, h.arrived);
+      ledger = h.ledger;
+    });
+    report("hierarchical", s, ledger);
+  }
+  {
+    Exchange::PooledWaveConfig pc;
+    pc.waves = waves;
+    pc.sender_cf = sender_cf;
+    pc.receiver_cf = receiver_cf;
+    pc.tokens_per_rank = tokens;
+    pc.top_k = top_k;
+    int max_local = 0;
+    for (int r = 0; r < size; ++r) max_local = std::max(max_local, placement.num_slots_of_rank(r));
+    pc.local_experts = max_local;
+    Exchange::PooledWaveExchange<> pooled(comms, pc);
+    // Identity experts: the rows go back as they came.
+    Exchange::WaveExpertFn<MS> identity = [](PayloadBuffer<MS> const& x, std::vector<index_t> const&,
+                                             Kokkos::View<index_t*, MS> const&) { return x; };
+    Exchange::ByteLedger ledger;
+    double const s = timed(reps, [&] {
+      auto res = pooled.forward(exec, placement, routes, plan, hidden, PayloadType::bf16, PayloadType::bf16, identity);
+      ledger = res.ledger;
+    });
+    report("pooled_wave", s, ledger);
+  }
+  return 0;
+}
+
+kmoe_bench::Register reg("exchange", "flat / hierarchical / pooled-wave dispatch+combine vs MPI_Alltoallv (T=4096/rank, k=8, d=2048, bf16)",
+                         run);
+
+}  // namespace

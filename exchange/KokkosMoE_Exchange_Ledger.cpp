@@ -1,0 +1,233 @@
+#include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Error.hpp>
+#include <KokkosMoE_Exchange_Ledger.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <iomanip>
+#include <sstream>
+
+namespace KokkosMoE {
+namespace Exchange {
+
+using json = nlohmann::json;
+
+char const* to_string(LinkClass c) {
+  switch (c) {
+    case LinkClass::same_rank: return "same_rank";
+    case LinkClass::intra_node: return "intra_node";
+    case LinkClass::inter_node: return "inter_node";
+  }
+  return "unknown";
+}
+
+ClassCounts StageLedger::total() const {
+  ClassCounts t;
+  for (auto const& c : by_class) {
+    t.rows += c.rows;
+    t.payload_bytes += c.payload_bytes;
+    t.meta_bytes += c.meta_bytes;
+    t.messages += c.messages;
+  }
+  return t;
+}
+
+ClassCounts DirectionLedger::by_class(LinkClass c) const {
+  ClassCounts t;
+  for (auto const& s : stages) {
+    auto const& x = s.by_class[static_cast<int>(c)];
+    t.rows += x.rows;
+    t.payload_bytes += x.payload_bytes;
+    t.meta_bytes += x.meta_bytes;
+    t.messages += x.messages;
+  }
+  return t;
+}
+
+std::int64_t DirectionLedger::relay_rows() const {
+  std::int64_t n = 0;
+  for (auto const& s : stages) n += s.relay_rows;
+  return n;
+}
+std::int64_t DirectionLedger::relay_bytes() const {
+  std::int64_t n = 0;
+  for (auto const& s : stages) n += s.relay_bytes;
+  return n;
+}
+std::int64_t DirectionLedger::padding_rows() const {
+  std::int64_t n = 0;
+  for (auto const& s : stages) n += s.padding_rows;
+  return n;
+}
+
+namespace {
+
+json counts_json(ClassCounts const& c) {
+  return json{{"rows", c.rows}, {"payload_bytes", c.payload_bytes}, {"meta_bytes", c.meta_bytes}, {"messages", c.messages}};
+}
+
+json direction_json(DirectionLedger const& d) {
+  json stages = json::array();
+  for (auto const& s : d.stages) {
+    json cls;
+    for (int c = 0; c < num_link_classes; ++c) cls[to_string(static_cast<LinkClass>(c))] = counts_json(s.by_class[c]);
+    stages.push_back(json{{"name", s.name},
+                          {"communicator", s.communicator},
+                          {"classes", cls},
+                          {"total", counts_json(s.total())},
+                          {"relay_rows", s.relay_rows},
+                          {"relay_bytes", s.relay_bytes},
+                          {"padding_rows", s.padding_rows},
+                          {"header_rows", s.header_rows}});
+  }
+  json totals;
+  for (int c = 0; c < num_link_classes; ++c) totals[to_string(static_cast<LinkClass>(c))] = counts_json(d.by_class(static_cast<LinkClass>(c)));
+  return json{{"stages", stages},
+              {"totals", totals},
+              {"useful_rows", d.useful_rows},
+              {"relay_rows", d.relay_rows()},
+              {"relay_bytes", d.relay_bytes()},
+              {"padding_rows", d.padding_rows()},
+              {"sender_drops", d.sender_drops},
+              {"receiver_drops", d.receiver_drops}};
+}
+
+// Flattens every counter in a fixed order (for reductions).
+void flatten(DirectionLedger const& d, std::vector<std::int64_t>& v) {
+  v.push_back(d.useful_rows);
+  v.push_back(d.sender_drops);
+  v.push_back(d.receiver_drops);
+  for (auto const& s : d.stages) {
+    for (auto const& c : s.by_class) {
+      v.push_back(c.rows);
+      v.push_back(c.payload_bytes);
+      v.push_back(c.meta_bytes);
+      v.push_back(c.messages);
+    }
+    v.push_back(s.relay_rows);
+    v.push_back(s.relay_bytes);
+    v.push_back(s.padding_rows);
+    v.push_back(s.header_rows);
+  }
+}
+
+void unflatten(DirectionLedger& d, std::vector<std::int64_t> const& v, std::size_t& i) {
+  d.useful_rows = v[i++];
+  d.sender_drops = v[i++];
+  d.receiver_drops = v[i++];
+  for (auto& s : d.stages) {
+    for (auto& c : s.by_class) {
+      c.rows = v[i++];
+      c.payload_bytes = v[i++];
+      c.meta_bytes = v[i++];
+      c.messages = v[i++];
+    }
+    s.relay_rows = v[i++];
+    s.relay_bytes = v[i++];
+    s.padding_rows = v[i++];
+    s.header_rows = v[i++];
+  }
+}
+
+void accumulate_direction(DirectionLedger& a, DirectionLedger const& b) {
+  std::vector<std::int64_t> va, vb;
+  flatten(a, va);
+  flatten(b, vb);
+  KOKKOSMOE_REQUIRE(va.size() == vb.size(), "ledgers with different stage structure cannot be added");
+  for (std::size_t i = 0; i < va.size(); ++i) va[i] += vb[i];
+  std::size_t i = 0;
+  unflatten(a, va, i);
+}
+
+}  // namespace
+
+std::string ByteLedger::to_json(int indent) const {
+  json j{{"algorithm", algorithm},
+         {"payload", payload},
+         {"combine_payload", combine_payload},
+         {"width", width},
+         {"row_bytes", row_bytes},
+         {"combine_row_bytes", combine_row_bytes},
+         {"meta_row_bytes", meta_row_bytes},
+         {"ranks", ranks},
+         {"dispatch", direction_json(dispatch)}, {"combine", direction_json(combine)}};
+  return j.dump(indent);
+}
+
+void ByteLedger::accumulate(ByteLedger const& other) {
+  KOKKOSMOE_REQUIRE(algorithm == other.algorithm, "cannot add a " << other.algorithm << " ledger to a " << algorithm << " ledger");
+  accumulate_direction(dispatch, other.dispatch);
+  accumulate_direction(combine, other.combine);
+}
+
+ByteLedger ByteLedger::reduced(MPI_Comm comm) const {
+  std::vector<std::int64_t> v;
+  flatten(dispatch, v);
+  flatten(combine, v);
+  std::int64_t n = static_cast<std::int64_t>(v.size()), n_max = 0, n_min = 0;
+  MPI_Allreduce(&n, &n_max, 1, MPI_INT64_T, MPI_MAX, comm);
+  MPI_Allreduce(&n, &n_min, 1, MPI_INT64_T, MPI_MIN, comm);
+  KOKKOSMOE_REQUIRE(n_max == n_min, "ledger reduction: ranks disagree on the stage structure (" << n_min << " vs " << n_max << " counters)");
+  std::vector<std::int64_t> sum(v.size());
+  MPI_Allreduce(v.data(), sum.data(), static_cast<int>(v.size()), MPI_INT64_T, MPI_SUM, comm);
+  ByteLedger out = *this;
+  std::size_t i = 0;
+  unflatten(out.dispatch, sum, i);
+  unflatten(out.combine, sum, i);
+  out.ranks = comm_size(comm);
+  return out;
+}
+
+std::string ByteLedger::table() const {
+  std::ostringstream os;
+  os << algorithm << " (" << payload << "/" << combine_payload << ", width " << width << ", " << row_bytes << "/"
+     << combine_row_bytes << " B/row, " << meta_row_bytes
+     << " B meta/row, " << ranks << " rank" << (ranks > 1 ? "s" : "") << ")\n";
+  os << std::left << std::setw(10) << "direction" << std::setw(26) << "stage" << std::setw(12) << "class"
+     << std::right << std::setw(12) << "rows" << std::setw(16) << "payload_B" << std::setw(14) << "meta_B"
+     << std::setw(10) << "msgs" << "\n";
+  for (auto const* dir : {&dispatch, &combine}) {
+    char const* dname = dir == &dispatch ? "dispatch" : "combine";
+    for (auto const& s : dir->stages)
+      for (int c = 0; c < num_link_classes; ++c) {
+        auto const& x = s.by_class[c];
+        if (x.rows == 0 && x.messages == 0) continue;
+        os << std::left << std::setw(10) << dname << std::setw(26) << s.name << std::setw(12)
+           << to_string(static_cast<LinkClass>(c)) << std::right << std::setw(12) << x.rows << std::setw(16)
+           << x.payload_bytes << std::setw(14) << x.meta_bytes << std::setw(10) << x.messages << "\n";
+      }
+    os << std::left << std::setw(10) << dname << "useful_rows=" << dir->useful_rows << " relay_rows=" << dir->relay_rows()
+       << " relay_bytes=" << dir->relay_bytes() << " padding_rows=" << dir->padding_rows()
+       << " sender_drops=" << dir->sender_drops << " receiver_drops=" << dir->receiver_drops << "\n";
+  }
+  return os.str();
+}
+
+void check_inter_node_equal(ByteLedger const& flat, ByteLedger const& hier) {
+  auto const fd = flat.dispatch.inter_node_payload_bytes(), hd = hier.dispatch.inter_node_payload_bytes();
+  auto const fc = flat.combine.inter_node_payload_bytes(), hc = hier.combine.inter_node_payload_bytes();
+  KOKKOSMOE_REQUIRE(fd == hd && fc == hc, "inter-node payload differs: flat dispatch " << fd << " B / combine " << fc
+                                                                                         << " B, hierarchical dispatch " << hd
+                                                                                         << " B / combine " << hc << " B");
+}
+
+void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::vector<int> const& peer_global, int me,
+               std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes) {
+  KOKKOSMOE_REQUIRE(rows.size() == peer_global.size(), "ledger: " << rows.size() << " counts for " << peer_global.size() << " peers");
+  for (std::size_t p = 0; p < rows.size(); ++p) {
+    if (rows[p] == 0) continue;
+    int const g = peer_global[p];
+    LinkClass const c = g == me ? LinkClass::same_rank
+                        : node_of_rank[static_cast<std::size_t>(g)] == node_of_rank[static_cast<std::size_t>(me)]
+                            ? LinkClass::intra_node
+                            : LinkClass::inter_node;
+    auto& x = stage.by_class[static_cast<int>(c)];
+    x.rows += rows[p];
+    x.payload_bytes += rows[p] * row_bytes;
+    x.meta_bytes += rows[p] * meta_row_bytes;
+    x.messages += 1;
+  }
+}
+
+}  // namespace Exchange
+}  // namespace KokkosMoE

@@ -1,0 +1,96 @@
+#ifndef KOKKOSMOE_EXCHANGE_LEDGER_HPP
+#define KOKKOSMOE_EXCHANGE_LEDGER_HPP
+
+/// \file KokkosMoE_Exchange_Ledger.hpp
+/// \brief Byte ledgers: what an exchange moved, per direction and stage,
+/// split by link class (same rank, intra-node, inter-node). These are logical
+/// bytes of the declared row representation, never converted into time.
+
+#include <mpi.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace KokkosMoE {
+namespace Exchange {
+
+/// \brief Where a row goes relative to its sender.
+enum class LinkClass : int { same_rank = 0, intra_node = 1, inter_node = 2 };
+constexpr int num_link_classes = 3;
+char const* to_string(LinkClass c);
+
+/// \brief Counts of one link class.
+struct ClassCounts {
+  std::int64_t rows = 0;
+  std::int64_t payload_bytes = 0;
+  std::int64_t meta_bytes = 0;
+  std::int64_t messages = 0;  ///< directed (sender, receiver) pairs with rows
+};
+
+/// \brief One stage of one direction (e.g. "gather to relay").
+struct StageLedger {
+  std::string name;
+  std::string communicator;
+  std::array<ClassCounts, num_link_classes> by_class{};
+  std::int64_t relay_rows = 0;   ///< rows this stage moves only because of relaying
+  std::int64_t relay_bytes = 0;  ///< their payload + metadata bytes
+  std::int64_t padding_rows = 0; ///< rows that carry no route (static shapes)
+  std::int64_t header_rows = 0;  ///< in-band header rows (pooled-wave)
+
+  ClassCounts total() const;
+};
+
+/// \brief One direction (dispatch or combine).
+struct DirectionLedger {
+  std::vector<StageLedger> stages;
+  std::int64_t useful_rows = 0;     ///< routes carried (each counted once, at its final destination)
+  std::int64_t sender_drops = 0;    ///< routes the sender could not place (static shapes)
+  std::int64_t receiver_drops = 0;  ///< routes the receiver could not place (static shapes)
+
+  /// \brief Sum over stages for one class.
+  ClassCounts by_class(LinkClass c) const;
+  std::int64_t relay_rows() const;
+  std::int64_t relay_bytes() const;
+  std::int64_t padding_rows() const;
+  /// \brief Payload bytes that crossed nodes (all stages).
+  std::int64_t inter_node_payload_bytes() const { return by_class(LinkClass::inter_node).payload_bytes; }
+};
+
+/// \brief The ledger of one exchange call (or a sum of calls / ranks).
+struct ByteLedger {
+  std::string algorithm;  ///< flat, hierarchical, pooled_wave
+  std::string payload;    ///< dispatch payload type name
+  std::string combine_payload;  ///< combine (return) payload type name
+  int width = 0;
+  std::int64_t row_bytes = 0;          ///< dispatch row bytes
+  std::int64_t combine_row_bytes = 0;  ///< combine row bytes
+  std::int64_t meta_row_bytes = 0;
+  int ranks = 1;          ///< ranks summed into this ledger
+  DirectionLedger dispatch;
+  DirectionLedger combine;
+
+  /// \brief JSON object text (every field, per stage and class, plus totals).
+  std::string to_json(int indent = 2) const;
+  /// \brief Adds another ledger of the same algorithm and stage structure.
+  void accumulate(ByteLedger const& other);
+  /// \brief Collective over comm: the sum of every rank's ledger, on every rank.
+  ByteLedger reduced(MPI_Comm comm) const;
+  /// \brief Human-readable table (one line per direction, stage and class).
+  std::string table() const;
+};
+
+/// \brief Throws Error unless the hierarchical ledger's inter-node payload
+/// bytes equal the flat one's in both directions (same routes).
+void check_inter_node_equal(ByteLedger const& flat, ByteLedger const& hierarchical);
+
+/// \brief Adds one stage's moves to `stage` from this rank's perspective:
+/// rows[p] rows go to peer p (global rank peer_global[p]); me is the sender.
+void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::vector<int> const& peer_global, int me,
+               std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes);
+
+}  // namespace Exchange
+}  // namespace KokkosMoE
+
+#endif

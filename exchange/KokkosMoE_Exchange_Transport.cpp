@@ -1,0 +1,210 @@
+#include <KokkosMoE_Exchange_Transport.hpp>
+
+#if KOKKOSMOE_HAVE_MPIX_QUERY_CUDA_SUPPORT && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+#include <chrono>
+#include <climits>
+#include <sstream>
+#include <thread>
+
+namespace KokkosMoE {
+namespace Exchange {
+
+bool mpi_is_cuda_aware() {
+#if KOKKOSMOE_CUDA_AWARE_MPI_POLICY == 1
+  return true;
+#elif KOKKOSMOE_CUDA_AWARE_MPI_POLICY == 0
+  return false;
+#elif KOKKOSMOE_HAVE_MPIX_QUERY_CUDA_SUPPORT
+  static int const aware = MPIX_Query_cuda_support();
+  return aware == 1;
+#else
+  return false;
+#endif
+}
+
+namespace Impl {
+
+void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
+               std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, int tag,
+               std::vector<Pending>& pending) {
+  int const P = comm.size();
+  int const me = comm.my_slot();
+  if (row_bytes == 0) return;
+  MPI_Datatype row;
+  KOKKOSMOE_MPI_CHECK(MPI_Type_contiguous(static_cast<int>(row_bytes), MPI_BYTE, &row), comm.comm());
+  KOKKOSMOE_MPI_CHECK(MPI_Type_commit(&row), comm.comm());
+  std::size_t roff = 0, soff = 0;
+  for (int p = 0; p < P; ++p) {
+    if (p != me && recv_counts[p] > 0) {
+      KOKKOSMOE_REQUIRE(recv_counts[p] <= INT_MAX, "receive of " << recv_counts[p] << " rows from peer " << p << " exceeds int");
+      MPI_Request r;
+      KOKKOSMOE_MPI_CHECK(MPI_Irecv(recv + roff * row_bytes, static_cast<int>(recv_counts[p]), row, p, tag, comm.comm(), &r),
+                          comm.comm());
+      pending.push_back(Pending{r, p, true});
+    }
+    roff += static_cast<std::size_t>(recv_counts[p]);
+  }
+  for (int p = 0; p < P; ++p) {
+    if (p != me && send_counts[p] > 0) {
+      KOKKOSMOE_REQUIRE(send_counts[p] <= INT_MAX, "send of " << send_counts[p] << " rows to peer " << p << " exceeds int");
+      MPI_Request r;
+      KOKKOSMOE_MPI_CHECK(MPI_Isend(send + soff * row_bytes, static_cast<int>(send_counts[p]), row, p, tag, comm.comm(), &r),
+                          comm.comm());
+      pending.push_back(Pending{r, p, false});
+    }
+    soff += static_cast<std::size_t>(send_counts[p]);
+  }
+  MPI_Type_free(&row);  // deferred by MPI until the operations complete
+}
+
+void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending, char const* what,
+              TransportOptions const& options) {
+  using clock = std::chrono::steady_clock;
+  auto const start = clock::now();
+  std::size_t done = 0;
+  std::vector<char> complete(pending.size(), 0);
+  int spins = 0;
+  while (done < pending.size()) {
+    bool progressed = false;
+    for (std::size_t i = 0; i < pending.size(); ++i) {
+      if (complete[i]) continue;
+      int flag = 0;
+      KOKKOSMOE_MPI_CHECK(MPI_Test(&pending[i].request, &flag, MPI_STATUS_IGNORE), comm.comm());
+      if (flag) {
+        complete[i] = 1;
+        ++done;
+        progressed = true;
+      }
+    }
+    if (done == pending.size()) break;
+    if (!progressed && ++spins > 64) {
+      // Oversubscribed ranks must let their peers run.
+      std::this_thread::yield();
+      spins = 0;
+    }
+    double const waited = std::chrono::duration<double>(clock::now() - start).count();
+    if (options.watchdog_seconds > 0 && waited > options.watchdog_seconds) {
+      std::ostringstream recv_from, send_to;
+      for (std::size_t i = 0; i < pending.size(); ++i) {
+        if (complete[i]) continue;
+        auto& os = pending[i].receive ? recv_from : send_to;
+        os << (os.tellp() > 0 ? ", " : "") << "slot " << pending[i].peer_slot << " (rank "
+           << comm.global_rank(pending[i].peer_slot) << ")";
+        if (pending[i].receive) MPI_Cancel(&pending[i].request);
+        MPI_Request_free(&pending[i].request);
+      }
+      pending.clear();
+      int world = -1;
+      MPI_Comm_rank(MPI_COMM_WORLD, &world);
+      KOKKOSMOE_THROW(what << ": rank " << world << " (slot " << comm.my_slot() << " of " << comm.name()
+                           << ") waited " << waited << " s; still waiting to receive from ["
+                           << recv_from.str() << "]" << (send_to.tellp() > 0 ? " and to send to [" + send_to.str() + "]" : std::string())
+                           << " - did those ranks skip this call?");
+    }
+  }
+  pending.clear();
+}
+
+}  // namespace Impl
+
+AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
+                          index_t rows_available, std::vector<index_t> const* expected_recv, char const* what,
+                          TransportOptions const& options, std::string const& local_problem) {
+  int const P = comm.size();
+  int const me = comm.my_slot();
+  AgreedCounts agreed;
+  agreed.send = send_split;
+  agreed.recv.assign(static_cast<std::size_t>(P), 0);
+  std::string problem = local_problem;
+  if (problem.empty() && static_cast<int>(send_split.size()) != P) {
+    problem = "send split has " + std::to_string(send_split.size()) + " entries for " + std::to_string(P) + " peers";
+  }
+  // Exchange the counts point to point (every peer, zero counts included), so
+  // the watchdog can name a peer that never arrives.
+  std::vector<index_t> out(static_cast<std::size_t>(P), 0);
+  if (problem.empty()) out = send_split;
+  std::vector<Impl::Pending> pending;
+  for (int p = 0; p < P; ++p) {
+    if (p == me) {
+      agreed.recv[p] = out[p];
+      continue;
+    }
+    MPI_Request r;
+    KOKKOSMOE_MPI_CHECK(MPI_Irecv(&agreed.recv[p], 1, MPI_INT64_T, p, 6999, comm.comm(), &r), comm.comm());
+    pending.push_back(Impl::Pending{r, p, true});
+  }
+  for (int p = 0; p < P; ++p) {
+    if (p == me) continue;
+    MPI_Request r;
+    KOKKOSMOE_MPI_CHECK(MPI_Isend(&out[p], 1, MPI_INT64_T, p, 6999, comm.comm(), &r), comm.comm());
+    pending.push_back(Impl::Pending{r, p, false});
+  }
+  Impl::wait_all(comm, pending, what, options);
+
+  if (problem.empty()) {
+    std::ostringstream os;
+    index_t total = 0;
+    for (int p = 0; p < P; ++p) {
+      if (send_split[p] < 0) os << "negative count " << send_split[p] << " for peer slot " << p << "; ";
+      total += send_split[p];
+    }
+    if (total != rows_available)
+      os << "send split adds up to " << total << " rows but " << rows_available << " rows are ready to send; ";
+    if (expected_recv) {
+      for (int p = 0; p < P; ++p)
+        if (static_cast<std::size_t>(p) < expected_recv->size() && (*expected_recv)[p] != agreed.recv[p])
+          os << "rank " << comm.global_rank(p) << " (slot " << p << ") says it sends " << agreed.recv[p]
+             << " rows, this rank expects " << (*expected_recv)[p] << "; ";
+      if (static_cast<int>(expected_recv->size()) != P)
+        os << "expected receive split has " << expected_recv->size() << " entries for " << P << " peers; ";
+    }
+    problem = os.str();
+  }
+  int world = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world);
+  // Every peer has entered this call (its counts arrived), so a blocking
+  // agreement cannot hang here.
+  raise_if_any(comm.comm(), !problem.empty(),
+               std::string(what) + ": count agreement failed on rank " + std::to_string(world) + ": " + problem,
+               "count agreement");
+  return agreed;
+}
+
+void agree_or_throw(Topology::Communicator const& comm, std::string const& problem, char const* what,
+                    TransportOptions const& options) {
+  using clock = std::chrono::steady_clock;
+  int const size = comm.size();
+  int const me = comm.my_slot();
+  int mine = problem.empty() ? size : me;
+  int lowest = size;
+  MPI_Request req;
+  KOKKOSMOE_MPI_CHECK(MPI_Iallreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, comm.comm(), &req), comm.comm());
+  auto const start = clock::now();
+  int flag = 0;
+  int spins = 0;
+  while (true) {
+    KOKKOSMOE_MPI_CHECK(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), comm.comm());
+    if (flag) break;
+    if (++spins > 64) {
+      std::this_thread::yield();
+      spins = 0;
+    }
+    double const waited = std::chrono::duration<double>(clock::now() - start).count();
+    if (options.watchdog_seconds > 0 && waited > options.watchdog_seconds) {
+      int world = -1;
+      MPI_Comm_rank(MPI_COMM_WORLD, &world);
+      KOKKOSMOE_THROW(what << ": rank " << world << " (slot " << me << " of " << comm.name() << ") waited " << waited
+                           << " s in the agreement over all " << size << " ranks of " << comm.name()
+                           << "; at least one of them did not enter this call");
+    }
+  }
+  if (lowest == size) return;
+  // Everyone is here: the lowest failing rank's message goes to all.
+  raise_if_any(comm.comm(), !problem.empty(), problem, what);
+}
+
+}  // namespace Exchange
+}  // namespace KokkosMoE

@@ -1,0 +1,187 @@
+#ifndef KOKKOSMOE_EXCHANGE_TRANSPORT_HPP
+#define KOKKOSMOE_EXCHANGE_TRANSPORT_HPP
+
+/// \file KokkosMoE_Exchange_Transport.hpp
+/// \brief Transports selected by tag (Mpi, Nccl) and the one primitive every
+/// exchange algorithm is built from: a variable all-to-all of rows over one
+/// communicator, in that communicator's peer order. Rows are whole records
+/// (one MPI datatype of row_bytes bytes, so counts are row counts and never
+/// overflow int for realistic sizes); rows for the calling rank itself are
+/// local copies, never messages. Every wait runs under a watchdog that names
+/// the peers still missing instead of hanging silently.
+
+#include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Error.hpp>
+#include <KokkosMoE_PayloadBuffer.hpp>
+#include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Topology_Communicators.hpp>
+#include <KokkosMoE_config.hpp>
+
+#include <mpi.h>
+
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+namespace KokkosMoE {
+namespace Exchange {
+
+/// \brief MPI transport: host buffers, or device buffers directly when the
+/// MPI is CUDA-aware, otherwise staged through host mirrors.
+struct Mpi {
+  static constexpr char const* name = "mpi";
+};
+
+/// \brief NCCL transport: grouped ncclSend/ncclRecv on the execution space
+/// instance's stream (built when KokkosMoE has NCCL and Kokkos has CUDA).
+struct Nccl {
+  static constexpr char const* name = "nccl";
+};
+
+/// \brief Watchdog and transport options shared by the exchange algorithms.
+struct TransportOptions {
+  /// Seconds a rank waits for its peers before reporting which ones are
+  /// missing and failing the call (0: wait forever).
+  double watchdog_seconds = 300.0;
+};
+
+/// \brief Rows of one buffer pair moved by one all-to-all: send rows leave in
+/// peer-slot order (segments by send counts), recv rows arrive grouped by
+/// source peer slot (segments by recv counts). Both views are [rows, bytes].
+template <class MemorySpace>
+struct RowSet {
+  Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace> send;
+  Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace> recv;
+};
+
+/// \brief Reinterprets a view of trivially copyable records as [n, sizeof(T)] bytes.
+template <class T, class MS>
+Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS> as_rows(Kokkos::View<T*, MS> const& v) {
+  return Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>(reinterpret_cast<unsigned char*>(v.data()), v.extent(0),
+                                                                sizeof(T));
+}
+
+/// \brief True when device buffers may be passed to MPI: the configured
+/// policy (KokkosMoE_CUDA_AWARE_MPI), else MPIX_Query_cuda_support() when the
+/// MPI has it, else false.
+bool mpi_is_cuda_aware();
+
+namespace Impl {
+
+/// A pending nonblocking operation with the peer it waits for.
+struct Pending {
+  MPI_Request request;
+  int peer_slot;
+  bool receive;
+};
+
+/// Waits for every request under the watchdog. On timeout cancels what is
+/// left and throws Error naming the communicator, this rank and the peer slots
+/// (with their global ranks) it still waits to receive from / send to.
+void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending, char const* what,
+              TransportOptions const& options);
+
+/// Posts receives and sends of raw rows for one buffer pair (host-visible
+/// pointers), appending to pending. Self rows are not posted.
+void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
+               std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, int tag,
+               std::vector<Pending>& pending);
+
+}  // namespace Impl
+
+/// \brief Moves every RowSet's rows over comm with MPI. Counts are per peer
+/// slot of comm and must already be agreed (see agree_counts). Fences exec
+/// before posting (the send rows must be complete) and returns with the
+/// receive rows written.
+template <class Exec, class MS>
+void alltoallv_rows(Mpi, Exec const& exec, Topology::Communicator const& comm, std::initializer_list<RowSet<MS>> set_list,
+                    std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
+                    TransportOptions const& options = {}) {
+  std::vector<RowSet<MS>> const sets(set_list);
+  int const P = comm.size();
+  int const me = comm.my_slot();
+  KOKKOSMOE_REQUIRE(static_cast<int>(send_counts.size()) == P && static_cast<int>(recv_counts.size()) == P,
+                    what << ": " << send_counts.size() << " send and " << recv_counts.size() << " receive counts for "
+                         << P << " peers of " << comm.name());
+  std::vector<index_t> soff(static_cast<std::size_t>(P) + 1, 0), roff(static_cast<std::size_t>(P) + 1, 0);
+  for (int p = 0; p < P; ++p) {
+    soff[p + 1] = soff[p] + send_counts[p];
+    roff[p + 1] = roff[p] + recv_counts[p];
+  }
+  for (auto const& s : sets) {
+    KOKKOSMOE_REQUIRE(static_cast<index_t>(s.send.extent(0)) >= soff[P] && static_cast<index_t>(s.recv.extent(0)) >= roff[P] &&
+                          s.send.extent(1) == s.recv.extent(1),
+                      what << ": buffers of " << s.send.extent(0) << " and " << s.recv.extent(0) << " rows ("
+                           << s.send.extent(1) << "/" << s.recv.extent(1) << " B) for " << soff[P] << " sent and "
+                           << roff[P] << " received rows");
+  }
+  Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: send rows complete");
+  // Same-rank rows: a local copy.
+  for (auto const& s : sets) {
+    if (me >= 0 && send_counts[me] > 0) {
+      KOKKOSMOE_REQUIRE(send_counts[me] == recv_counts[me],
+                        what << ": rank sends " << send_counts[me] << " rows to itself but expects " << recv_counts[me]);
+      copy_row_range(exec, s.recv, roff[me], s.send, soff[me], send_counts[me]);
+    }
+  }
+  constexpr bool host_visible = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
+  bool const direct = host_visible || mpi_is_cuda_aware();
+  std::vector<Impl::Pending> pending;
+  if (direct) {
+    Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: self copies");
+    int tag = 7000;
+    for (auto const& s : sets)
+      Impl::post_rows(comm, s.recv.data(), s.send.data(), s.send.extent(1), send_counts, recv_counts, tag++, pending);
+    Impl::wait_all(comm, pending, what, options);
+    return;
+  }
+  // Host staging: copy send rows out, receive into host rows, copy back.
+  std::vector<typename Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>::HostMirror> hs, hr;
+  for (auto const& s : sets) {
+    hs.push_back(Kokkos::create_mirror_view(s.send));
+    hr.push_back(Kokkos::create_mirror_view(s.recv));
+    Kokkos::deep_copy(exec, hs.back(), s.send);
+  }
+  Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: staged to host");
+  int tag = 7000;
+  for (std::size_t i = 0; i < sets.size(); ++i) {
+    // Keep the self segment already written on the device: receive into the
+    // host mirror, then copy only the peer segments back.
+    Impl::post_rows(comm, hr[i].data(), hs[i].data(), sets[i].send.extent(1), send_counts, recv_counts, tag++, pending);
+  }
+  Impl::wait_all(comm, pending, what, options);
+  for (std::size_t i = 0; i < sets.size(); ++i)
+    for (int p = 0; p < P; ++p)
+      if (p != me && recv_counts[p] > 0)
+        copy_row_range(exec, sets[i].recv, roff[p], hr[i], roff[p], recv_counts[p]);
+  Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: staged back");
+}
+
+/// \brief Counts agreed by a sender and its receivers.
+struct AgreedCounts {
+  std::vector<index_t> send;  ///< rows this rank sends to each peer slot
+  std::vector<index_t> recv;  ///< rows each peer slot says it sends to this rank
+};
+
+/// \brief Collective over comm: every rank tells each peer how many rows it
+/// will send it (point to point, under the watchdog), then all ranks check
+/// together: the receive split equals `expected_recv` where one is given
+/// (e.g. the reverse of a dispatch), and the send split adds up to the rows
+/// the caller has. Any mismatch throws the same CollectiveError on every rank,
+/// naming the ranks and counts; no payload moves before this returns.
+AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
+                          index_t rows_available, std::vector<index_t> const* expected_recv, char const* what,
+                          TransportOptions const& options = {}, std::string const& local_problem = {});
+
+/// \brief Collective over comm like raise_if_any(), but the agreement runs as
+/// a nonblocking reduction under the watchdog, so a rank that never enters
+/// the call is reported (naming the communicator and the step) instead of
+/// hanging everybody. Throws the same CollectiveError on every rank when any
+/// rank passes a non-empty problem.
+void agree_or_throw(Topology::Communicator const& comm, std::string const& problem, char const* what,
+                    TransportOptions const& options = {});
+
+}  // namespace Exchange
+}  // namespace KokkosMoE
+
+#endif
