@@ -26,8 +26,7 @@ class FlatExchange {
   /// handle must carry the generation of the exchange's latest dispatch.
   explicit FlatExchange(Topology::CommunicatorSet const& comms, TransportOptions options = {},
                         PlacementRegistry const* registry = nullptr)
-      : comms_(&comms), options_(options), registry_(registry) {
-    static_assert(std::is_same<Transport, Mpi>::value, "this build moves rows over MPI; see Exchange::Nccl");
+      : comms_(&comms), options_(options), registry_(registry), transport_(comms) {
   }
 
   /// \brief Collective over the EP communicator: agrees counts, moves the
@@ -59,7 +58,7 @@ class FlatExchange {
     index_t const n = h.recv_offsets.back();
     h.arrived = work_.payload(exec, "flat_arrived", send.type, send.width, n);
     h.arrived_meta = work_.meta(exec, "flat_arrived_meta", n);
-    alltoallv_rows(Transport{}, exec, ep, {RowSet<MemorySpace>{send.bytes, h.arrived.bytes}, RowSet<MemorySpace>{as_rows(meta), as_rows(h.arrived_meta)}},
+    transport_.alltoallv(exec, ep, {RowSet<MemorySpace>{send.bytes, h.arrived.bytes}, RowSet<MemorySpace>{as_rows(meta), as_rows(h.arrived_meta)}},
                    plan.counts, agreed.recv, "flat dispatch rows", options_);
     agree_or_throw(ep, Impl::problem_of([&] { h.repack = make_repack_plan(exec, h.arrived_meta, placement, comms_->global_rank()); }),
                    "flat dispatch repack", options_);
@@ -84,7 +83,7 @@ class FlatExchange {
     std::string const problem = Impl::handle_problem(*comms_, h, name, back.rows(), registry_, last_generation_);
     auto agreed = agree_counts(ep, h.recv_counts, back.rows(), &h.plan.counts, "flat combine counts", options_, problem);
     auto returned = work_.payload(exec, "flat_returned", back.type, back.width, h.plan.rows());
-    alltoallv_rows(Transport{}, exec, ep, {RowSet<MemorySpace>{back.bytes, returned.bytes}}, h.recv_counts, agreed.recv,
+    transport_.alltoallv(exec, ep, {RowSet<MemorySpace>{back.bytes, returned.bytes}}, h.recv_counts, agreed.recv,
                    "flat combine rows", options_);
     StageLedger stage{"all-to-all (reverse)", ep.name()};
     add_sends(stage, h.recv_counts, ep.peer_order(), comms_->global_rank(), Impl::node_of_rank(*comms_), back.row_bytes(), 0);
@@ -105,6 +104,7 @@ class FlatExchange {
   PlacementRegistry const* registry_;
   std::uint64_t last_generation_ = 0;
   Impl::Workspace<MemorySpace> work_;
+  TransportContext<Transport, MemorySpace> transport_;
 };
 
 }  // namespace Exchange

@@ -31,8 +31,7 @@ class HierarchicalExchange {
 
   explicit HierarchicalExchange(Topology::CommunicatorSet const& comms, TransportOptions options = {},
                                 PlacementRegistry const* registry = nullptr)
-      : comms_(&comms), options_(options), registry_(registry) {
-    static_assert(std::is_same<Transport, Mpi>::value, "the hierarchical exchange moves rows over MPI");
+      : comms_(&comms), options_(options), registry_(registry), transport_(comms) {
     auto const& topo = comms.topology();
     int const N = topo.size();
     int const me = comms.global_rank();
@@ -98,7 +97,7 @@ class HierarchicalExchange {
     index_t const r1 = total(s1.recv_counts);
     auto s1_recv = work_.payload(exec, "s1_recv", send.type, send.width, r1);
     auto s1_recv_meta = work_.meta(exec, "s1_recv_meta", r1);
-    alltoallv_rows(Transport{}, exec, node, {RowSet<MemorySpace>{s1_rows.bytes, s1_recv.bytes}, RowSet<MemorySpace>{as_rows(s1_meta), as_rows(s1_recv_meta)}},
+    transport_.alltoallv(exec, node, {RowSet<MemorySpace>{s1_rows.bytes, s1_recv.bytes}, RowSet<MemorySpace>{as_rows(s1_meta), as_rows(s1_recv_meta)}},
                    s1.send_counts, s1.recv_counts, "hierarchical dispatch stage 1 rows", options_);
     {
       StageLedger st{s1.name, node.name()};
@@ -160,7 +159,7 @@ class HierarchicalExchange {
         index_t const r2 = total(s2.recv_counts);
         s2_recv = work_.payload(exec, "s2_recv", send.type, send.width, r2);
         s2_recv_meta = work_.meta(exec, "s2_recv_meta", r2);
-        alltoallv_rows(Transport{}, exec, rc, {RowSet<MemorySpace>{s2_rows.bytes, s2_recv.bytes}, RowSet<MemorySpace>{as_rows(s2_meta), as_rows(s2_recv_meta)}},
+        transport_.alltoallv(exec, rc, {RowSet<MemorySpace>{s2_rows.bytes, s2_recv.bytes}, RowSet<MemorySpace>{as_rows(s2_meta), as_rows(s2_recv_meta)}},
                        s2.send_counts, s2.recv_counts, "hierarchical dispatch stage 2 rows", options_);
         add_sends(st, s2.send_counts, rc.peer_order(), me, nor, send.row_bytes(), sizeof(RowMeta));
       }
@@ -193,7 +192,7 @@ class HierarchicalExchange {
     index_t const r3 = total(s3.recv_counts);
     auto s3_recv = work_.payload(exec, "s3_recv", send.type, send.width, r3);
     auto s3_recv_meta = work_.meta(exec, "s3_recv_meta", r3);
-    alltoallv_rows(Transport{}, exec, node, {RowSet<MemorySpace>{s3_rows.bytes, s3_recv.bytes}, RowSet<MemorySpace>{as_rows(s3_meta), as_rows(s3_recv_meta)}},
+    transport_.alltoallv(exec, node, {RowSet<MemorySpace>{s3_rows.bytes, s3_recv.bytes}, RowSet<MemorySpace>{as_rows(s3_meta), as_rows(s3_recv_meta)}},
                    s3.send_counts, s3.recv_counts, "hierarchical dispatch stage 3 rows", options_);
     {
       StageLedger st{s3.name, node.name()};
@@ -282,7 +281,7 @@ class HierarchicalExchange {
       auto agreed = agree_counts(node, s3.recv_counts, r3, &s3.send_counts, "hierarchical combine stage 3 counts", options_);
       (void)agreed;
       auto src = suffix(fin, kept);
-      alltoallv_rows(Transport{}, exec, node, {RowSet<MemorySpace>{src.bytes, s3_back.bytes}}, s3.recv_counts, s3.send_counts,
+      transport_.alltoallv(exec, node, {RowSet<MemorySpace>{src.bytes, s3_back.bytes}}, s3.recv_counts, s3.send_counts,
                      "hierarchical combine stage 3 rows", options_);
       StageLedger st{"relay gather (reverse of relay scatter)", node.name()};
       add_sends(st, s3.recv_counts, node.peer_order(), me, nor, back.row_bytes(), 0);
@@ -303,7 +302,7 @@ class HierarchicalExchange {
       if (comms.is_relay()) {
         auto const& rc = comms.relay();
         agree_counts(rc, s2.recv_counts, s2_in_back.rows(), &s2.send_counts, "hierarchical combine stage 2 counts", options_);
-        alltoallv_rows(Transport{}, exec, rc, {RowSet<MemorySpace>{s2_in_back.bytes, s2_back.bytes}}, s2.recv_counts, s2.send_counts,
+        transport_.alltoallv(exec, rc, {RowSet<MemorySpace>{s2_in_back.bytes, s2_back.bytes}}, s2.recv_counts, s2.send_counts,
                        "hierarchical combine stage 2 rows", options_);
         add_sends(st, s2.recv_counts, rc.peer_order(), me, nor, back.row_bytes(), 0);
       }
@@ -325,7 +324,7 @@ class HierarchicalExchange {
     auto s1_back = work_.payload(exec, "s1_back", type, width, s1.input_rows);
     {
       agree_counts(node, s1.recv_counts, r1, &s1.send_counts, "hierarchical combine stage 1 counts", options_);
-      alltoallv_rows(Transport{}, exec, node, {RowSet<MemorySpace>{s1_recv_back.bytes, s1_back.bytes}}, s1.recv_counts, s1.send_counts,
+      transport_.alltoallv(exec, node, {RowSet<MemorySpace>{s1_recv_back.bytes, s1_back.bytes}}, s1.recv_counts, s1.send_counts,
                      "hierarchical combine stage 1 rows", options_);
       StageLedger st{"return from relay + node-local direct", node.name()};
       add_sends(st, s1.recv_counts, node.peer_order(), me, nor, back.row_bytes(), 0);
@@ -417,6 +416,7 @@ class HierarchicalExchange {
   std::uint64_t last_generation_ = 0;
   Kokkos::View<int*, MemorySpace> node_of_, node_slot_, ep_slot_;
   Impl::Workspace<MemorySpace> work_;
+  TransportContext<Transport, MemorySpace> transport_;
   int my_node_ = -1;
   int my_relay_ = -1;
 };

@@ -95,8 +95,7 @@ class PooledWaveExchange {
   static constexpr char const* name = "pooled_wave";
 
   PooledWaveExchange(Topology::CommunicatorSet const& comms, PooledWaveConfig config, TransportOptions options = {})
-      : comms_(&comms), config_(config), options_(options) {
-    static_assert(std::is_same<Transport, Mpi>::value, "the pooled-wave exchange moves rows over MPI");
+      : comms_(&comms), config_(config), options_(options), transport_(comms) {
     shapes_ = pooled_wave_shapes(config_, comms.ep().size());
   }
 
@@ -236,7 +235,7 @@ class PooledWaveExchange {
                       return a >= 0 ? static_cast<index_t>(token(a)) : -1;
                     },
                     send, "KokkosMoE::PooledWave::pack");
-      alltoallv_rows(Transport{}, exec, ep, {RowSet<MemorySpace>{send.bytes, recv.bytes}}, uniform, uniform,
+      transport_.alltoallv(exec, ep, {RowSet<MemorySpace>{send.bytes, recv.bytes}}, uniform, uniform,
                      "pooled-wave dispatch rows", options_);
       {
         StageLedger st{"wave " + std::to_string(w), ep.name()};
@@ -326,7 +325,7 @@ class PooledWaveExchange {
           });
       Impl::scatter_rows(exec, y_em, KOKKOS_LAMBDA(index_t c)->index_t { return source_of(c); }, back,
                          "KokkosMoE::PooledWave::return_rows");
-      alltoallv_rows(Transport{}, exec, ep, {RowSet<MemorySpace>{back.bytes, got.bytes}}, uniform, uniform,
+      transport_.alltoallv(exec, ep, {RowSet<MemorySpace>{back.bytes, got.bytes}}, uniform, uniform,
                      "pooled-wave combine rows", options_);
       {
         StageLedger st{"wave " + std::to_string(w) + " (return)", ep.name()};
@@ -385,6 +384,7 @@ class PooledWaveExchange {
   TransportOptions options_;
   PooledWaveShapes shapes_;
   Impl::Workspace<MemorySpace> work_;
+  TransportContext<Transport, MemorySpace> transport_;
 };
 
 }  // namespace Exchange

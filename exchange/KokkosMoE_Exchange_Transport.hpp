@@ -157,6 +157,25 @@ void alltoallv_rows(Mpi, Exec const& exec, Topology::Communicator const& comm, s
   Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: staged back");
 }
 
+/// \brief Per-exchange transport state selected by the tag: nothing for MPI
+/// (the communicators are MPI's own), NCCL communicators for Nccl (see
+/// KokkosMoE_Exchange_Nccl.hpp). Every exchange algorithm moves rows through
+/// its context's alltoallv().
+template <class Transport, class MemorySpace>
+class TransportContext;
+
+template <class MemorySpace>
+class TransportContext<Mpi, MemorySpace> {
+ public:
+  explicit TransportContext(Topology::CommunicatorSet const&) {}
+  template <class Exec>
+  void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::initializer_list<RowSet<MemorySpace>> sets,
+                 std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
+                 TransportOptions const& options) {
+    alltoallv_rows(Mpi{}, exec, comm, sets, send_counts, recv_counts, what, options);
+  }
+};
+
 /// \brief Counts agreed by a sender and its receivers.
 struct AgreedCounts {
   std::vector<index_t> send;  ///< rows this rank sends to each peer slot

@@ -1,0 +1,149 @@
+#ifndef KOKKOSMOE_EXCHANGE_NCCL_HPP
+#define KOKKOSMOE_EXCHANGE_NCCL_HPP
+
+/// \file KokkosMoE_Exchange_Nccl.hpp
+/// \brief NCCL transport: rows move with grouped ncclSend/ncclRecv on the
+/// CUDA stream of the Kokkos::Cuda instance; same-rank rows are device copies
+/// on that stream. Counts are still agreed over MPI (host integers) before any
+/// payload moves. NCCL communicators are created from the MPI communicators
+/// (unique id broadcast over MPI) on first use and destroyed with the context.
+/// Built when KokkosMoE has NCCL and Kokkos has CUDA.
+
+#include <KokkosMoE_Exchange_Transport.hpp>
+#include <KokkosMoE_config.hpp>
+
+#if defined(KOKKOSMOE_HAVE_NCCL) && defined(KOKKOS_ENABLE_CUDA)
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+namespace KokkosMoE {
+namespace Exchange {
+
+/// \brief Throws Error naming the NCCL call and its result.
+#define KOKKOSMOE_NCCL_CHECK(call)                                                                    \
+  do {                                                                                               \
+    ncclResult_t kokkosmoe_nccl_rc_ = (call);                                                        \
+    KOKKOSMOE_REQUIRE(kokkosmoe_nccl_rc_ == ncclSuccess,                                             \
+                      #call << " failed: " << ncclGetErrorString(kokkosmoe_nccl_rc_));               \
+  } while (0)
+
+/// \brief An NCCL communicator over the ranks of one MPI communicator, in its
+/// peer order (NCCL rank = peer slot). Collective over that communicator.
+class NcclCommunicator {
+ public:
+  explicit NcclCommunicator(Topology::Communicator const& c) {
+    ncclUniqueId id;
+    if (c.my_slot() == 0) KOKKOSMOE_NCCL_CHECK(ncclGetUniqueId(&id));
+    KOKKOSMOE_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, c.comm()), c.comm());
+    KOKKOSMOE_NCCL_CHECK(ncclCommInitRank(&comm_, c.size(), id, c.my_slot()));
+  }
+  ~NcclCommunicator() {
+    if (comm_) ncclCommDestroy(comm_);
+  }
+  NcclCommunicator(NcclCommunicator const&) = delete;
+  NcclCommunicator& operator=(NcclCommunicator const&) = delete;
+  ncclComm_t get() const { return comm_; }
+  /// \brief Aborts outstanding operations (after a watchdog timeout).
+  void abort() {
+    if (comm_) ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+
+ private:
+  ncclComm_t comm_ = nullptr;
+};
+
+/// \brief Rows over NCCL for device memory spaces.
+template <class MemorySpace>
+class TransportContext<Nccl, MemorySpace> {
+ public:
+  explicit TransportContext(Topology::CommunicatorSet const&) {}
+
+  void alltoallv(Kokkos::Cuda const& exec, Topology::Communicator const& comm, std::initializer_list<RowSet<MemorySpace>> set_list,
+                 std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
+                 TransportOptions const& options) {
+    std::vector<RowSet<MemorySpace>> const sets(set_list);
+    int const P = comm.size();
+    int const me = comm.my_slot();
+    KOKKOSMOE_REQUIRE(static_cast<int>(send_counts.size()) == P && static_cast<int>(recv_counts.size()) == P,
+                      what << ": " << send_counts.size() << " send and " << recv_counts.size() << " receive counts for " << P
+                           << " peers of " << comm.name());
+    auto& nc = communicator(comm);
+    cudaStream_t const stream = exec.cuda_stream();
+    std::vector<index_t> soff(static_cast<std::size_t>(P) + 1, 0), roff(static_cast<std::size_t>(P) + 1, 0);
+    for (int p = 0; p < P; ++p) {
+      soff[p + 1] = soff[p] + send_counts[p];
+      roff[p + 1] = roff[p] + recv_counts[p];
+    }
+    for (auto const& s : sets) {
+      if (me >= 0 && send_counts[me] > 0) copy_row_range(exec, s.recv, roff[me], s.send, soff[me], send_counts[me]);
+    }
+    KOKKOSMOE_NCCL_CHECK(ncclGroupStart());
+    for (auto const& s : sets) {
+      std::size_t const rb = s.send.extent(1);
+      for (int p = 0; p < P; ++p) {
+        if (p == me) continue;
+        if (send_counts[p] > 0)
+          KOKKOSMOE_NCCL_CHECK(ncclSend(s.send.data() + soff[p] * rb, static_cast<std::size_t>(send_counts[p]) * rb, ncclUint8, p,
+                                        nc.get(), stream));
+        if (recv_counts[p] > 0)
+          KOKKOSMOE_NCCL_CHECK(ncclRecv(s.recv.data() + roff[p] * rb, static_cast<std::size_t>(recv_counts[p]) * rb, ncclUint8, p,
+                                        nc.get(), stream));
+      }
+    }
+    KOKKOSMOE_NCCL_CHECK(ncclGroupEnd());
+    wait(exec, nc, comm, send_counts, recv_counts, what, options);
+  }
+
+ private:
+  NcclCommunicator& communicator(Topology::Communicator const& comm) {
+    auto& slot = comms_[comm.comm()];
+    if (!slot) slot = std::make_unique<NcclCommunicator>(comm);
+    return *slot;
+  }
+
+  /// Polls the stream under the watchdog; on timeout aborts the NCCL
+  /// communicator and names the peers with outstanding transfers.
+  void wait(Kokkos::Cuda const& exec, NcclCommunicator& nc, Topology::Communicator const& comm,
+            std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
+            TransportOptions const& options) {
+    using clock = std::chrono::steady_clock;
+    auto const start = clock::now();
+    cudaStream_t const stream = exec.cuda_stream();
+    while (true) {
+      cudaError_t const st = cudaStreamQuery(stream);
+      if (st == cudaSuccess) return;
+      KOKKOSMOE_REQUIRE(st == cudaErrorNotReady, what << ": CUDA error " << cudaGetErrorString(st));
+      ncclResult_t async = ncclSuccess;
+      KOKKOSMOE_NCCL_CHECK(ncclCommGetAsyncError(nc.get(), &async));
+      KOKKOSMOE_REQUIRE(async == ncclSuccess, what << ": NCCL asynchronous error " << ncclGetErrorString(async));
+      double const waited = std::chrono::duration<double>(clock::now() - start).count();
+      if (options.watchdog_seconds > 0 && waited > options.watchdog_seconds) {
+        std::ostringstream peers;
+        for (int p = 0; p < comm.size(); ++p)
+          if (p != comm.my_slot() && (send_counts[p] > 0 || recv_counts[p] > 0))
+            peers << (peers.tellp() > 0 ? ", " : "") << "slot " << p << " (rank " << comm.global_rank(p) << ")";
+        nc.abort();
+        comms_.erase(comm.comm());
+        KOKKOSMOE_THROW(what << ": NCCL transfers on " << comm.name() << " did not complete within " << waited
+                             << " s; peers with outstanding rows: [" << peers.str() << "]");
+      }
+      std::this_thread::yield();
+    }
+  }
+
+  std::map<MPI_Comm, std::unique_ptr<NcclCommunicator>> comms_;
+};
+
+}  // namespace Exchange
+}  // namespace KokkosMoE
+
+#endif
+#endif
