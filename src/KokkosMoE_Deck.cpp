@@ -1,0 +1,643 @@
+#include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Deck.hpp>
+#include <KokkosMoE_Error.hpp>
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <set>
+#include <sstream>
+
+namespace KokkosMoE {
+
+namespace {
+
+constexpr std::int64_t big = std::numeric_limits<std::int32_t>::max();
+constexpr double huge = 1e300;
+
+/// Reads typed values out of a TOML table, remembers which keys were read,
+/// and reports everything else as unknown. Every error names file, line,
+/// column and the dotted key.
+class Reader {
+ public:
+  Reader(std::string path, toml::table const& table, std::string prefix = {})
+      : path_(std::move(path)), table_(&table), prefix_(std::move(prefix)) {}
+
+  std::string const& path() const { return path_; }
+
+  std::string full(std::string const& key) const { return prefix_.empty() ? key : prefix_ + "." + key; }
+
+  toml::node const* node(std::string const& key) const {
+    auto const dot = key.find('.');
+    if (dot == std::string::npos) return table_->get(key);
+    auto const* sub = table_->get(key.substr(0, dot));
+    if (!sub || !sub->is_table()) return nullptr;
+    return sub->as_table()->get(key.substr(dot + 1));
+  }
+
+  bool has(std::string const& key) const { return node(key) != nullptr; }
+
+  /// "file:line:column" of a key (or of its table, or the file).
+  std::string where(std::string const& key) const {
+    toml::node const* n = node(key);
+    if (!n) {
+      auto const dot = key.find('.');
+      if (dot != std::string::npos) n = table_->get(key.substr(0, dot));
+    }
+    std::ostringstream os;
+    os << path_;
+    if (n && n->source().begin.line > 0) os << ":" << n->source().begin.line << ":" << n->source().begin.column;
+    else if (table_->source().begin.line > 0)
+      os << ":" << table_->source().begin.line << ":" << table_->source().begin.column;
+    return os.str();
+  }
+
+  [[noreturn]] void fail(std::string const& key, std::string const& problem) const {
+    KOKKOSMOE_THROW(where(key) << ": key '" << full(key) << "': " << problem);
+  }
+
+  static char const* type_name(toml::node const& n) {
+    switch (n.type()) {
+      case toml::node_type::string: return "a string";
+      case toml::node_type::integer: return "an integer";
+      case toml::node_type::floating_point: return "a float";
+      case toml::node_type::boolean: return "a boolean";
+      case toml::node_type::array: return "an array";
+      case toml::node_type::table: return "a table";
+      default: return "a date/time";
+    }
+  }
+
+  std::int64_t integer(std::string const& key, std::int64_t def, std::int64_t lo, std::int64_t hi) {
+    used_.insert(key);
+    auto const* n = node(key);
+    if (!n) return def;
+    if (!n->is_integer()) fail(key, std::string("expected an integer, got ") + type_name(*n));
+    std::int64_t const v = n->as_integer()->get();
+    if (v < lo || v > hi) {
+      std::ostringstream os;
+      os << "= " << v << " is out of range";
+      if (hi >= big)
+        os << " (must be >= " << lo << ")";
+      else
+        os << " [" << lo << ", " << hi << "]";
+      fail(key, os.str());
+    }
+    return v;
+  }
+
+  double real(std::string const& key, double def, double lo, double hi, bool lo_open = false) {
+    used_.insert(key);
+    auto const* n = node(key);
+    if (!n) return def;
+    double v;
+    if (n->is_floating_point())
+      v = n->as_floating_point()->get();
+    else if (n->is_integer())
+      v = static_cast<double>(n->as_integer()->get());
+    else
+      fail(key, std::string("expected a number, got ") + type_name(*n));
+    if (!std::isfinite(v)) fail(key, "must be finite");
+    if (lo_open && !(v > lo)) {
+      std::ostringstream os;
+      os << "= " << v << " is out of range (must be > " << lo << ")";
+      fail(key, os.str());
+    }
+    check_range(key, v, lo, hi);
+    return v;
+  }
+
+  bool boolean(std::string const& key, bool def) {
+    used_.insert(key);
+    auto const* n = node(key);
+    if (!n) return def;
+    if (!n->is_boolean()) fail(key, std::string("expected a boolean, got ") + type_name(*n));
+    return n->as_boolean()->get();
+  }
+
+  std::string string(std::string const& key, std::string const& def) {
+    used_.insert(key);
+    auto const* n = node(key);
+    if (!n) return def;
+    if (!n->is_string()) fail(key, std::string("expected a string, got ") + type_name(*n));
+    return n->as_string()->get();
+  }
+
+  std::string choice(std::string const& key, std::string const& def, std::vector<std::string> const& choices) {
+    std::string const v = string(key, def);
+    if (std::find(choices.begin(), choices.end(), v) == choices.end()) {
+      std::ostringstream os;
+      os << "'" << v << "' is not one of";
+      for (auto const& c : choices) os << " '" << c << "'";
+      fail(key, os.str());
+    }
+    return v;
+  }
+
+  toml::array const* array(std::string const& key) {
+    used_.insert(key);
+    auto const* n = node(key);
+    if (!n) return nullptr;
+    if (!n->is_array()) fail(key, std::string("expected an array, got ") + type_name(*n));
+    return n->as_array();
+  }
+
+  std::vector<std::int64_t> integers(std::string const& key, std::int64_t lo, std::int64_t hi) {
+    std::vector<std::int64_t> out;
+    if (auto const* a = array(key)) {
+      for (std::size_t i = 0; i < a->size(); ++i) {
+        auto const& e = *a->get(i);
+        if (!e.is_integer()) fail(key, "element " + std::to_string(i) + ": expected an integer, got " + type_name(e));
+        std::int64_t const v = e.as_integer()->get();
+        if (v < lo || v > hi)
+          fail(key, "element " + std::to_string(i) + " = " + std::to_string(v) + " is out of range [" + std::to_string(lo) +
+                        ", " + std::to_string(hi) + "]");
+        out.push_back(v);
+      }
+    }
+    return out;
+  }
+
+  std::vector<double> reals(std::string const& key, double lo, double hi) {
+    std::vector<double> out;
+    if (auto const* a = array(key)) {
+      for (std::size_t i = 0; i < a->size(); ++i) {
+        auto const& e = *a->get(i);
+        double v;
+        if (e.is_floating_point())
+          v = e.as_floating_point()->get();
+        else if (e.is_integer())
+          v = static_cast<double>(e.as_integer()->get());
+        else
+          fail(key, "element " + std::to_string(i) + ": expected a number, got " + type_name(e));
+        if (!std::isfinite(v) || v < lo || v > hi) {
+          std::ostringstream os;
+          os << "element " << i << " = " << v << " is out of range [" << lo << ", " << hi << "]";
+          fail(key, os.str());
+        }
+        out.push_back(v);
+      }
+    }
+    return out;
+  }
+
+  std::vector<std::string> strings(std::string const& key) {
+    std::vector<std::string> out;
+    if (auto const* a = array(key)) {
+      for (std::size_t i = 0; i < a->size(); ++i) {
+        auto const& e = *a->get(i);
+        if (!e.is_string()) fail(key, "element " + std::to_string(i) + ": expected a string, got " + type_name(e));
+        out.push_back(e.as_string()->get());
+      }
+    }
+    return out;
+  }
+
+  /// Runs f on a Reader for every table of an array of tables.
+  void tables(std::string const& key, std::function<void(Reader&, std::size_t)> const& f) {
+    if (auto const* a = array(key)) {
+      for (std::size_t i = 0; i < a->size(); ++i) {
+        auto const& e = *a->get(i);
+        if (!e.is_table()) fail(key, "element " + std::to_string(i) + ": expected a table, got " + type_name(e));
+        Reader sub(path_, *e.as_table(), full(key) + "[" + std::to_string(i) + "]");
+        f(sub, i);
+        sub.finish();
+      }
+    }
+  }
+
+  /// Every key of the table (and of its sub-tables) must have been read.
+  void finish() const { check_unused(*table_, ""); }
+
+ private:
+  void check_range(std::string const& key, double v, double lo, double hi) const {
+    if (v < lo || v > hi) {
+      std::ostringstream os;
+      os << "= " << v << " is out of range";
+      if (hi >= 1e300)
+        os << " (must be >= " << lo << ")";
+      else
+        os << " [" << lo << ", " << hi << "]";
+      fail(key, os.str());
+    }
+  }
+
+  void check_unused(toml::table const& t, std::string const& at) const {
+    for (auto const& kv : t) {
+      std::string const key = at.empty() ? std::string(kv.first.str()) : at + "." + std::string(kv.first.str());
+      if (used_.count(key)) continue;
+      if (kv.second.is_table() && at.empty()) {
+        check_unused(*kv.second.as_table(), key);
+        continue;
+      }
+      std::ostringstream os;
+      os << path_;
+      if (kv.first.source().begin.line > 0) os << ":" << kv.first.source().begin.line << ":" << kv.first.source().begin.column;
+      KOKKOSMOE_THROW(os.str() << ": unknown key '" << full(key) << "'");
+    }
+  }
+
+  std::string path_;
+  toml::table const* table_;
+  std::string prefix_;
+  std::set<std::string> used_;
+};
+
+
+PayloadType payload_of(Reader& r, std::string const& key, std::string const& def, bool allow_fp8) {
+  std::vector<std::string> choices = {"fp32", "bf16"};
+  if (allow_fp8) {
+    choices.push_back("fp8_row");
+    choices.push_back("fp8_block128");
+  }
+  return payload_type_from_string(r.choice(key, def, choices));
+}
+
+std::string toml_list(std::vector<int> const& v) {
+  std::ostringstream os;
+  os << "[";
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  os << "]";
+  return os.str();
+}
+
+template <class T>
+std::string toml_list_of(std::vector<T> const& v) {
+  std::ostringstream os;
+  os << "[";
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  os << "]";
+  return os.str();
+}
+
+std::string quoted(std::string const& s) { return "\"" + s + "\""; }
+
+std::string quoted_list(std::vector<std::string> const& v) {
+  std::ostringstream os;
+  os << "[";
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << quoted(v[i]);
+  os << "]";
+  return os.str();
+}
+
+}  // namespace
+
+LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int nranks) {
+  KOKKOSMOE_REQUIRE(nranks >= 1, "deck '" << path << "': a run needs at least one rank");
+  toml::table root;
+  try {
+    root = toml::parse(text, path);
+  } catch (toml::parse_error const& e) {
+    KOKKOSMOE_THROW(path << ":" << e.source().begin.line << ":" << e.source().begin.column << ": TOML syntax error: "
+                         << e.description());
+  }
+  Reader r(path, root);
+  LayerDeck d;
+  d.path = path;
+  d.text = text;
+  std::vector<std::string> const algorithms = {"flat", "hierarchical", "pooled_wave"};
+
+  // [run]
+  d.run.steps = static_cast<int>(r.integer("run.steps", d.run.steps, 0, big));
+  d.run.warmup = static_cast<int>(r.integer("run.warmup", d.run.warmup, 0, big));
+  d.run.seed = static_cast<std::uint64_t>(r.integer("run.seed", 1234, 0, std::numeric_limits<std::int64_t>::max()));
+  d.run.report = r.string("run.report", "");
+  d.run.hdf5 = r.string("run.hdf5", "");
+  d.run.progress_every = static_cast<int>(r.integer("run.progress_every", 0, 0, big));
+  d.run.compare = r.strings("run.compare");
+  for (auto const& a : d.run.compare)
+    if (std::find(algorithms.begin(), algorithms.end(), a) == algorithms.end())
+      r.fail("run.compare", "'" + a + "' is not one of 'flat' 'hierarchical' 'pooled_wave'");
+
+  // [model]
+  d.model.hidden = static_cast<int>(r.integer("model.hidden", d.model.hidden, 1, big));
+  d.model.experts = static_cast<int>(r.integer("model.experts", d.model.experts, 1, 65535));
+  d.model.top_k = static_cast<int>(r.integer("model.top_k", d.model.top_k, 1, big));
+  if (d.model.top_k > d.model.experts)
+    r.fail("model.top_k", "= " + std::to_string(d.model.top_k) + " exceeds model.experts = " + std::to_string(d.model.experts));
+  d.model.ffn = static_cast<int>(r.integer("model.ffn", d.model.ffn, 1, big));
+  d.model.shared_experts = static_cast<int>(r.integer("model.shared_experts", 0, 0, 64));
+  d.model.shared_ffn = static_cast<int>(r.integer("model.shared_ffn", d.model.ffn, 1, big));
+  d.model.dtype = r.choice("model.dtype", "fp32", {"fp32", "bf16"});
+  d.model.payload = payload_of(r, "model.payload", "bf16", true);
+  d.model.return_payload = payload_of(r, "model.return_payload", "bf16", false);
+
+  // [router]
+  RouterConfig& rc = d.router;
+  rc.num_experts = d.model.experts;
+  rc.top_k = d.model.top_k;
+  rc.score = score_function_from_string(r.choice("router.score", "softmax", {"softmax", "sigmoid"}));
+  rc.num_groups = static_cast<int>(r.integer("router.groups", 1, 1, 65535));
+  if (d.model.experts % rc.num_groups != 0)
+    r.fail("router.groups", "= " + std::to_string(rc.num_groups) + " does not divide model.experts = " + std::to_string(d.model.experts));
+  rc.topk_groups = static_cast<int>(r.integer("router.topk_groups", rc.num_groups, 1, 65535));
+  if (rc.topk_groups > rc.num_groups)
+    r.fail("router.topk_groups", "= " + std::to_string(rc.topk_groups) + " exceeds router.groups = " + std::to_string(rc.num_groups));
+  {
+    std::string const gs = r.string("router.group_score", rc.topk_groups < rc.num_groups ? "max" : "none");
+    try {
+      rc.group_score = set_score_from_string(gs, &rc.group_top_m);
+    } catch (Error const& e) {
+      r.fail("router.group_score", e.what());
+    }
+  }
+  d.domain_limit = r.choice("router.domain_limit", "none", {"none", "rank", "node"});
+  rc.max_domains = static_cast<int>(r.integer("router.max_domains", d.domain_limit == "none" ? 0 : 1, 0, 65535));
+  if (d.domain_limit != "none" && rc.max_domains < 1) r.fail("router.max_domains", "must be >= 1 with a domain limit");
+  {
+    std::string const ds = r.string("router.domain_score", "max");
+    try {
+      rc.domain_score = set_score_from_string(ds, &rc.domain_top_m);
+    } catch (Error const& e) {
+      r.fail("router.domain_score", e.what());
+    }
+  }
+  if (d.domain_limit != "none" && rc.group_limited())
+    r.fail("router.domain_limit", "a domain limit cannot be combined with a group limit (router.topk_groups < router.groups)");
+  rc.normalize = r.boolean("router.normalize", rc.score == ScoreFunction::sigmoid);
+  rc.route_scale = static_cast<float>(r.real("router.route_scale", 1.0, 0.0, huge, true));
+  rc.use_correction_bias = r.boolean("router.correction_bias", false);
+  d.bias_update = r.choice("router.bias_update", "none", {"none", "sign", "proportional"});
+  d.bias_gamma = r.real("router.bias_gamma", 0.001, 0.0, huge);
+  if (d.bias_update != "none" && !rc.use_correction_bias)
+    r.fail("router.bias_update", "needs router.correction_bias = true");
+  {
+    std::string const adm = r.choice("router.admission", "dropless", {"dropless", "expert_capacity", "device_capacity"});
+    rc.admission.policy = adm == "dropless"          ? AdmissionPolicy::dropless
+                          : adm == "expert_capacity" ? AdmissionPolicy::expert_capacity
+                                                     : AdmissionPolicy::device_capacity;
+    rc.admission.capacity_factor = r.real("router.capacity_factor", 1.0, 0.0, huge, true);
+  }
+  d.router_gemm = r.choice("router.gemm", "auto", {"auto", "kokkos_kernels", "generic"});
+  if (rc.top_k > rc.min_eligible_experts() && d.domain_limit == "none")
+    r.fail("model.top_k", "= " + std::to_string(rc.top_k) + " exceeds the " + std::to_string(rc.min_eligible_experts()) +
+                              " experts of router.topk_groups = " + std::to_string(rc.topk_groups) + " groups");
+
+  // [tokens]
+  d.tokens.per_rank = r.integer("tokens.per_rank", 64, 0, big);
+  d.tokens.source = r.choice("tokens.source", "router", {"router", "uniform", "zipf", "hot", "explicit"});
+  d.tokens.zipf_s = r.real("tokens.zipf_s", 1.2, 0.0, huge, true);
+  d.tokens.hot_expert = static_cast<int>(r.integer("tokens.hot_expert", 0, 0, d.model.experts - 1));
+  d.tokens.hot_fraction = r.real("tokens.hot_fraction", 0.5, 0.0, 1.0);
+  r.tables("tokens.rank", [&](Reader& t, std::size_t i) {
+    DeckRankTokens rank;
+    if (auto const* rows = t.array("hidden")) {
+      for (std::size_t row = 0; row < rows->size(); ++row) {
+        auto const& e = *rows->get(row);
+        if (!e.is_array()) t.fail("hidden", "row " + std::to_string(row) + ": expected an array of numbers");
+        std::vector<float> v;
+        for (std::size_t c = 0; c < e.as_array()->size(); ++c) {
+          auto const& x = *e.as_array()->get(c);
+          if (!x.is_number()) t.fail("hidden", "row " + std::to_string(row) + " element " + std::to_string(c) + ": expected a number");
+          v.push_back(static_cast<float>(x.is_integer() ? static_cast<double>(x.as_integer()->get()) : x.as_floating_point()->get()));
+        }
+        if (static_cast<int>(v.size()) != d.model.hidden)
+          t.fail("hidden", "row " + std::to_string(row) + " has " + std::to_string(v.size()) + " values, model.hidden is " +
+                               std::to_string(d.model.hidden));
+        rank.hidden.push_back(v);
+      }
+    }
+    t.tables("routes", [&](Reader& rt, std::size_t) {
+      DeckRoute route;
+      route.token = static_cast<int>(rt.integer("token", 0, 0, static_cast<std::int64_t>(rank.hidden.size()) - 1));
+      route.k_slot = static_cast<int>(rt.integer("k_slot", 0, 0, d.model.top_k - 1));
+      route.expert = static_cast<int>(rt.integer("expert", 0, 0, d.model.experts - 1));
+      route.gate = static_cast<float>(rt.real("gate", 0.0, -huge, huge));
+      route.slot = static_cast<int>(rt.integer("slot", -1, -1, big));
+      rank.routes.push_back(route);
+    });
+    (void)i;
+    d.tokens.ranks.push_back(std::move(rank));
+  });
+  if (d.tokens.source == "explicit") {
+    if (static_cast<int>(d.tokens.ranks.size()) != nranks)
+      r.fail("tokens.rank", "explicit tokens are given for " + std::to_string(d.tokens.ranks.size()) + " ranks, the run has " +
+                                std::to_string(nranks));
+    for (std::size_t q = 0; q < d.tokens.ranks.size(); ++q) {
+      auto const& rk = d.tokens.ranks[q];
+      std::vector<int> seen(rk.hidden.size() * static_cast<std::size_t>(d.model.top_k), 0);
+      for (auto const& rt : rk.routes) ++seen[static_cast<std::size_t>(rt.token) * static_cast<std::size_t>(d.model.top_k) + static_cast<std::size_t>(rt.k_slot)];
+      for (std::size_t x = 0; x < seen.size(); ++x)
+        if (seen[x] != 1)
+          r.fail("tokens.rank", "rank " + std::to_string(q) + " token " + std::to_string(x / static_cast<std::size_t>(d.model.top_k)) +
+                                    " k-slot " + std::to_string(x % static_cast<std::size_t>(d.model.top_k)) + " has " +
+                                    std::to_string(seen[x]) + " routes (exactly one expected)");
+    }
+  } else if (!d.tokens.ranks.empty()) {
+    r.fail("tokens.rank", "explicit tokens need tokens.source = \"explicit\"");
+  }
+
+  // [topology]
+  d.topology.layout = r.choice("topology.layout", "virtual", {"hwloc", "virtual", "synthetic"});
+  d.topology.nodes = static_cast<int>(r.integer("topology.nodes", 0, 1, big));
+  d.topology.ranks_per_node = static_cast<int>(r.integer("topology.ranks_per_node", 0, 1, big));
+  for (auto v : r.integers("topology.node_of_rank", 0, big)) d.topology.node_of_rank.push_back(static_cast<int>(v));
+  d.topology.nics = r.strings("topology.nics");
+  d.topology.synthetic = r.string("topology.synthetic", "");
+  d.topology.xml = r.string("topology.xml", "");
+  for (auto v : r.integers("topology.peer_order", 0, big)) d.topology.peer_order.push_back(static_cast<int>(v));
+  d.topology.relays_per_node = static_cast<int>(r.integer("topology.relays_per_node", 1, 1, big));
+  d.topology.relay_policy = r.choice("topology.relay_policy", "lowest_local_rank", {"lowest_local_rank", "nearest_nic"});
+  bool const sim = r.has("simulate.ranks");
+  int const ranks_for_layout = sim ? static_cast<int>(r.integer("simulate.ranks", 0, 1, 1 << 20)) : nranks;
+  d.simulate.ranks = sim ? ranks_for_layout : 0;
+  if (d.topology.layout != "hwloc") {
+    int const given = (d.topology.nodes > 0) + (d.topology.ranks_per_node > 0) + !d.topology.node_of_rank.empty();
+    if (given > 1)
+      r.fail(d.topology.nodes > 0 ? "topology.nodes" : "topology.node_of_rank",
+             "give one of topology.nodes, topology.ranks_per_node and topology.node_of_rank");
+    if (d.topology.nodes > 0) {
+      // Nodes as even as possible, at most one per rank.
+      int const nodes = std::min(d.topology.nodes, ranks_for_layout);
+      for (int q = 0; q < ranks_for_layout; ++q)
+        d.topology.node_of_rank.push_back(static_cast<int>(static_cast<std::int64_t>(q) * nodes / ranks_for_layout));
+      d.topology.nodes = nodes;
+    }
+    if (d.topology.ranks_per_node == 0 && d.topology.node_of_rank.empty()) d.topology.ranks_per_node = ranks_for_layout;
+    if (d.topology.ranks_per_node > 0 && ranks_for_layout % d.topology.ranks_per_node != 0)
+      r.fail("topology.ranks_per_node", "= " + std::to_string(d.topology.ranks_per_node) + " does not divide the " +
+                                            std::to_string(ranks_for_layout) + " ranks of the run");
+    if (!d.topology.node_of_rank.empty() && static_cast<int>(d.topology.node_of_rank.size()) != ranks_for_layout)
+      r.fail("topology.node_of_rank", "has " + std::to_string(d.topology.node_of_rank.size()) + " entries for " +
+                                          std::to_string(ranks_for_layout) + " ranks");
+    int min_rpn = d.topology.ranks_per_node;
+    if (!d.topology.node_of_rank.empty()) {
+      std::vector<int> count;
+      for (int n : d.topology.node_of_rank) {
+        if (n >= static_cast<int>(count.size())) count.resize(static_cast<std::size_t>(n) + 1, 0);
+        ++count[static_cast<std::size_t>(n)];
+      }
+      min_rpn = *std::min_element(count.begin(), count.end());
+      if (min_rpn == 0) r.fail("topology.node_of_rank", "node ids must be contiguous from 0");
+    }
+    if (d.topology.relays_per_node > min_rpn)
+      r.fail("topology.relays_per_node", "= " + std::to_string(d.topology.relays_per_node) + " is more than the " +
+                                             std::to_string(min_rpn) + " ranks of the smallest node");
+  } else if (d.topology.ranks_per_node > 0 || !d.topology.node_of_rank.empty() || d.topology.nodes > 0) {
+    r.fail("topology.layout", "\"hwloc\" takes nodes from the machine; remove topology.nodes / ranks_per_node / node_of_rank");
+  }
+  if (d.topology.layout == "synthetic" && d.topology.synthetic.empty() == d.topology.xml.empty())
+    r.fail("topology.synthetic", "a synthetic layout needs exactly one of topology.synthetic and topology.xml");
+  if (!d.topology.peer_order.empty()) {
+    if (static_cast<int>(d.topology.peer_order.size()) != ranks_for_layout)
+      r.fail("topology.peer_order", "has " + std::to_string(d.topology.peer_order.size()) + " entries for " +
+                                        std::to_string(ranks_for_layout) + " ranks");
+    std::vector<int> seen(static_cast<std::size_t>(ranks_for_layout), 0);
+    for (int x : d.topology.peer_order) {
+      if (x >= ranks_for_layout) r.fail("topology.peer_order", "names rank " + std::to_string(x) + " of a " + std::to_string(ranks_for_layout) + "-rank run");
+      if (seen[static_cast<std::size_t>(x)]++) r.fail("topology.peer_order", "lists rank " + std::to_string(x) + " twice");
+    }
+  }
+
+  // [placement]
+  d.placement.policy = r.choice("placement.policy", "round_robin",
+                                {"round_robin", "contiguous", "eplb", "eplb_hierarchical", "eplb_global", "explicit"});
+  d.placement.physical_slots = static_cast<int>(r.integer("placement.physical_slots", 0, 0, big));
+  d.placement.groups = static_cast<int>(r.integer("placement.groups", 1, 1, 65535));
+  d.placement.loads = r.reals("placement.loads", 0.0, huge);
+  d.placement.load_file = r.string("placement.load_file", "");
+  d.placement.replica_policy = r.choice("placement.replica_policy", "locality", {"locality", "round_robin", "hash"});
+  r.tables("placement.slots", [&](Reader& s, std::size_t) {
+    DeckSlot slot;
+    slot.expert = static_cast<int>(s.integer("expert", 0, 0, d.model.experts - 1));
+    slot.rank = static_cast<int>(s.integer("rank", 0, 0, ranks_for_layout - 1));
+    d.placement.slots.push_back(slot);
+  });
+  bool const eplb = d.placement.policy.rfind("eplb", 0) == 0;
+  if (d.placement.policy == "explicit") {
+    if (d.placement.slots.empty()) r.fail("placement.slots", "an explicit placement needs [[placement.slots]]");
+    std::vector<int> copies(static_cast<std::size_t>(d.model.experts), 0);
+    for (auto const& s : d.placement.slots) ++copies[static_cast<std::size_t>(s.expert)];
+    for (int e = 0; e < d.model.experts; ++e)
+      if (copies[static_cast<std::size_t>(e)] == 0) r.fail("placement.slots", "expert " + std::to_string(e) + " has no slot");
+  } else if (!d.placement.slots.empty()) {
+    r.fail("placement.slots", "slots are only read with placement.policy = \"explicit\"");
+  }
+  if (eplb) {
+    int const S = d.placement.physical_slots == 0 ? d.model.experts : d.placement.physical_slots;
+    if (S < d.model.experts) r.fail("placement.physical_slots", "= " + std::to_string(S) + " is fewer than the " + std::to_string(d.model.experts) + " experts");
+    if (S % ranks_for_layout != 0)
+      r.fail("placement.physical_slots", "= " + std::to_string(S) + " is not a multiple of the " + std::to_string(ranks_for_layout) + " ranks");
+    if (d.model.experts % d.placement.groups != 0)
+      r.fail("placement.groups", "= " + std::to_string(d.placement.groups) + " does not divide model.experts = " + std::to_string(d.model.experts));
+    if (!d.placement.loads.empty() && static_cast<int>(d.placement.loads.size()) != d.model.experts)
+      r.fail("placement.loads", "has " + std::to_string(d.placement.loads.size()) + " entries for " + std::to_string(d.model.experts) + " experts");
+    d.placement.physical_slots = S;
+  } else if (d.placement.physical_slots != 0 || !d.placement.loads.empty() || !d.placement.load_file.empty()) {
+    r.fail(d.placement.physical_slots != 0 ? "placement.physical_slots" : (d.placement.loads.empty() ? "placement.load_file" : "placement.loads"),
+           "is only read with an EPLB placement policy");
+  }
+
+  // [exchange]
+  d.exchange.algorithm = r.choice("exchange.algorithm", "flat", algorithms);
+  d.exchange.watchdog_seconds = r.real("exchange.watchdog_seconds", 300.0, 0.0, huge);
+  d.exchange.waves = static_cast<int>(r.integer("exchange.waves", 1, 1, 1024));
+  d.exchange.sender_cf = r.real("exchange.sender_cf", 1.25, 0.0, huge, true);
+  d.exchange.receiver_cf = r.real("exchange.receiver_cf", 1.5, 0.0, huge, true);
+
+  // [experts]
+  d.experts.runner = r.choice("experts.runner", "grouped", {"grouped", "blas", "padded", "block", "scalar"});
+  d.experts.capacity = r.integer("experts.capacity", 0, 0, big);
+  d.experts.alignment = r.integer("experts.alignment", 1, 1, big);
+  d.experts.block_size = r.integer("experts.block_size", 128, 1, big);
+  d.experts.gemm = r.choice("experts.gemm", "auto", {"auto", "kokkos_kernels", "generic"});
+  d.experts.weights = r.string("experts.weights", "");
+  d.experts.save_weights = r.string("experts.save_weights", "");
+  for (double s : r.reals("experts.scales", -huge, huge)) d.experts.scales.push_back(static_cast<float>(s));
+  if (d.experts.runner == "scalar") {
+    if (d.experts.scales.empty()) d.experts.scales.assign(static_cast<std::size_t>(d.model.experts), 1.0f);
+    if (static_cast<int>(d.experts.scales.size()) != d.model.experts)
+      r.fail("experts.scales", "has " + std::to_string(d.experts.scales.size()) + " entries for " + std::to_string(d.model.experts) + " experts");
+    if (!d.experts.weights.empty()) r.fail("experts.weights", "scalar experts have no weights to load");
+  } else if (!d.experts.scales.empty()) {
+    r.fail("experts.scales", "scales are only read with experts.runner = \"scalar\"");
+  }
+  if (d.tokens.source == "explicit" && r.has("tokens.per_rank"))
+    r.fail("tokens.per_rank", "explicit tokens take their count from [[tokens.rank]]");
+
+  r.finish();
+  // The router's own checks (groups, scores, admission) with file context.
+  try {
+    RouterConfig check = rc;
+    if (d.domain_limit != "none") {
+      check.expert_domain.assign(static_cast<std::size_t>(d.model.experts), 0);
+      for (int e = 0; e < d.model.experts; ++e) check.expert_domain[static_cast<std::size_t>(e)] = e % std::max(1, rc.max_domains);
+    }
+    if (check.admission.policy == AdmissionPolicy::device_capacity) {
+      check.admission.num_devices = nranks;
+      check.admission.expert_device.assign(static_cast<std::size_t>(d.model.experts), 0);
+    }
+    check.validate();
+  } catch (Error const& e) {
+    KOKKOSMOE_THROW(r.where("router") << ": table [router]: " << e.what());
+  }
+  return d;
+}
+
+std::string LayerDeck::resolved() const {
+  std::ostringstream os;
+  os << "# resolved configuration of " << path << "\n";
+  os << "[run]\nsteps = " << run.steps << "\nwarmup = " << run.warmup << "\nseed = " << run.seed << "\nreport = " << quoted(run.report)
+     << "\nhdf5 = " << quoted(run.hdf5) << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(run.compare) << "\n";
+  os << "\n[model]\nhidden = " << model.hidden << "\nexperts = " << model.experts << "\ntop_k = " << model.top_k << "\nffn = " << model.ffn
+     << "\nshared_experts = " << model.shared_experts << "\nshared_ffn = " << model.shared_ffn << "\ndtype = " << quoted(model.dtype)
+     << "\npayload = " << quoted(to_string(model.payload)) << "\nreturn_payload = " << quoted(to_string(model.return_payload)) << "\n";
+  os << "\n[router]\nscore = " << quoted(to_string(router.score)) << "\ngroups = " << router.num_groups << "\ntopk_groups = " << router.topk_groups
+     << "\ngroup_score = " << quoted(router.group_score == SetScore::top_m_sum ? "top" + std::to_string(router.group_top_m) + "_sum" : to_string(router.group_score))
+     << "\ndomain_limit = " << quoted(domain_limit) << "\nmax_domains = " << router.max_domains
+     << "\ndomain_score = " << quoted(router.domain_score == SetScore::top_m_sum ? "top" + std::to_string(router.domain_top_m) + "_sum" : to_string(router.domain_score))
+     << "\nnormalize = " << (router.normalize ? "true" : "false") << "\nroute_scale = " << router.route_scale
+     << "\ncorrection_bias = " << (router.use_correction_bias ? "true" : "false") << "\nbias_update = " << quoted(bias_update)
+     << "\nbias_gamma = " << bias_gamma << "\nadmission = "
+     << quoted(router.admission.policy == AdmissionPolicy::dropless ? "dropless"
+               : router.admission.policy == AdmissionPolicy::expert_capacity ? "expert_capacity" : "device_capacity")
+     << "\ncapacity_factor = " << router.admission.capacity_factor << "\ngemm = " << quoted(router_gemm) << "\n";
+  os << "\n[tokens]\nper_rank = " << tokens.per_rank << "\nsource = " << quoted(tokens.source) << "\nzipf_s = " << tokens.zipf_s
+     << "\nhot_expert = " << tokens.hot_expert << "\nhot_fraction = " << tokens.hot_fraction << "\n";
+  if (!tokens.ranks.empty()) os << "# explicit tokens for " << tokens.ranks.size() << " ranks (see the deck)\n";
+  os << "\n[topology]\nlayout = " << quoted(topology.layout) << "\nnodes = " << topology.nodes << "\nranks_per_node = " << topology.ranks_per_node
+     << "\nnode_of_rank = " << toml_list(topology.node_of_rank) << "\nnics = " << quoted_list(topology.nics)
+     << "\nsynthetic = " << quoted(topology.synthetic) << "\nxml = " << quoted(topology.xml) << "\npeer_order = " << toml_list(topology.peer_order)
+     << "\nrelays_per_node = " << topology.relays_per_node << "\nrelay_policy = " << quoted(topology.relay_policy) << "\n";
+  os << "\n[placement]\npolicy = " << quoted(placement.policy) << "\nphysical_slots = " << placement.physical_slots << "\ngroups = " << placement.groups
+     << "\nloads = " << toml_list_of(placement.loads) << "\nload_file = " << quoted(placement.load_file)
+     << "\nreplica_policy = " << quoted(placement.replica_policy) << "\n";
+  for (auto const& s : placement.slots) os << "[[placement.slots]]\nexpert = " << s.expert << "\nrank = " << s.rank << "\n";
+  os << "\n[exchange]\nalgorithm = " << quoted(exchange.algorithm) << "\nwatchdog_seconds = " << exchange.watchdog_seconds
+     << "\nwaves = " << exchange.waves << "\nsender_cf = " << exchange.sender_cf << "\nreceiver_cf = " << exchange.receiver_cf << "\n";
+  os << "\n[experts]\nrunner = " << quoted(experts.runner) << "\ncapacity = " << experts.capacity << "\nalignment = " << experts.alignment
+     << "\nblock_size = " << experts.block_size << "\ngemm = " << quoted(experts.gemm) << "\nweights = " << quoted(experts.weights)
+     << "\nsave_weights = " << quoted(experts.save_weights) << "\nscales = " << toml_list_of(experts.scales) << "\n";
+  if (simulate.ranks > 0) os << "\n[simulate]\nranks = " << simulate.ranks << "\n";
+  return os.str();
+}
+
+LayerDeck read_layer_deck(MPI_Comm comm, std::string const& path) {
+  int const rank = comm_rank(comm);
+  std::string text;
+  std::string problem;
+  if (rank == 0) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      problem = "cannot read deck '" + path + "': " + std::strerror(errno);
+    } else {
+      std::ostringstream os;
+      os << in.rdbuf();
+      text = os.str();
+    }
+  }
+  // Agree on the read before broadcasting, so a missing file fails everywhere.
+  raise_if_any(comm, !problem.empty(), problem, "reading the deck");
+  text = broadcast_string(comm, text, 0);
+  LayerDeck deck;
+  collective(comm, "parsing the deck", [&] { deck = parse_layer_deck(path, text, comm_size(comm)); });
+  return deck;
+}
+
+}  // namespace KokkosMoE
