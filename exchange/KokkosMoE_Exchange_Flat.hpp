@@ -77,10 +77,14 @@ class FlatExchange {
   /// expert outputs). Returns the rows in the source's send order, ready for
   /// combine(). Rejects (on every rank) a handle from another communicator
   /// epoch or a generation that is not live, and counts that disagree.
+  /// `local_problem` (non-empty: this rank could not produce `back`, e.g. its
+  /// experts failed) fails the combine on every rank with that message.
   template <class Exec>
-  PayloadBuffer<MemorySpace> combine(Exec const& exec, DispatchHandle<MemorySpace>& h, PayloadBuffer<MemorySpace> const& back) {
+  PayloadBuffer<MemorySpace> combine(Exec const& exec, DispatchHandle<MemorySpace>& h, PayloadBuffer<MemorySpace> const& back,
+                                     std::string const& local_problem = {}) {
     auto const& ep = comms_->ep();
-    std::string const problem = Impl::handle_problem(*comms_, h, name, back.rows(), registry_, last_generation_);
+    std::string const problem =
+        local_problem.empty() ? Impl::handle_problem(*comms_, h, name, back.rows(), registry_, last_generation_) : local_problem;
     auto agreed = agree_counts(ep, h.recv_counts, back.rows(), &h.plan.counts, "flat combine counts", options_, problem);
     auto returned = work_.payload(exec, "flat_returned", back.type, back.width, h.plan.rows());
     transport_.alltoallv(exec, ep, {RowSet<MemorySpace>{back.bytes, returned.bytes}}, h.recv_counts, agreed.recv,

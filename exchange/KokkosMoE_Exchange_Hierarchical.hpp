@@ -251,12 +251,14 @@ class HierarchicalExchange {
 
   /// \brief The exact reverse of the handle's three stages; see FlatExchange::combine.
   template <class Exec>
-  PayloadBuffer<MemorySpace> combine(Exec const& exec, DispatchHandle<MemorySpace>& h, PayloadBuffer<MemorySpace> const& back) {
+  PayloadBuffer<MemorySpace> combine(Exec const& exec, DispatchHandle<MemorySpace>& h, PayloadBuffer<MemorySpace> const& back,
+                                     std::string const& local_problem = {}) {
     auto const& comms = *comms_;
     auto const& node = comms.node_local();
     int const me = comms.global_rank();
     auto const nor = Impl::node_of_rank(comms);
-    agree_or_throw(comms.ep(), Impl::handle_problem(comms, h, name, back.rows(), registry_, last_generation_),
+    agree_or_throw(comms.ep(),
+                   local_problem.empty() ? Impl::handle_problem(comms, h, name, back.rows(), registry_, last_generation_) : local_problem,
                    "hierarchical combine", options_);
     auto const& s1 = h.stages[0];
     auto const& s2 = h.stages[1];

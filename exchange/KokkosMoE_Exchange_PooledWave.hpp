@@ -284,6 +284,11 @@ class PooledWaveExchange {
       }
       auto offsets_d = Impl::device_vector<MemorySpace>(offsets, "KokkosMoE::PooledWave::offsets");
       index_t const used = offsets[L];
+      // The callback sees this rank's own slots: [L_me + 1] offsets (ids
+      // beyond L_me never arrive here).
+      int const L_me = placement.num_slots_of_rank(me);
+      std::vector<index_t> const my_offsets(offsets.begin(), offsets.begin() + L_me + 1);
+      auto const my_offsets_d = Kokkos::subview(offsets_d, std::pair<int, int>(0, L_me + 1));
       // compact_of(x) = compact row of pool row x, or -1 (empty or dropped).
       Kokkos::View<index_t*, MemorySpace> compact_of("KokkosMoE::PooledWave::compact_of", n_pool);
       Kokkos::View<index_t*, MemorySpace> source_of(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::source_of"), used);
@@ -302,11 +307,18 @@ class PooledWaveExchange {
       auto x_em = work_.payload(exec, "pooled_x_em", dispatch_type, d, used);
       gather_rows(exec, recv, KOKKOS_LAMBDA(index_t c)->index_t { return source_of(c); }, x_em, "KokkosMoE::PooledWave::compact_rows");
       Compat::fence(exec, "KokkosMoE::PooledWave: compacted");
-      auto y_em = expert(x_em, offsets, offsets_d);
-      KOKKOSMOE_REQUIRE(y_em.rows() == used && y_em.type == return_type && y_em.width == d,
-                        "pooled-wave expert callback returned " << y_em.rows() << " rows of " << to_string(y_em.type) << "/"
-                                                                << y_em.width << " for " << used << " rows of "
-                                                                << to_string(return_type) << "/" << d);
+      // A failing expert on one rank fails the wave on every rank (the return
+      // pools are static, so nobody would notice otherwise).
+      PayloadBuffer<MemorySpace> y_em;
+      std::string const problem = Impl::problem_of([&] {
+        KOKKOSMOE_REQUIRE(used == my_offsets.back(), "pooled-wave: rows arrived for local expert ids beyond this rank's " << L_me << " slots");
+        y_em = expert(x_em, my_offsets, my_offsets_d);
+        KOKKOSMOE_REQUIRE(y_em.rows() == used && y_em.type == return_type && y_em.width == d,
+                          "pooled-wave expert callback returned " << y_em.rows() << " rows of " << to_string(y_em.type) << "/"
+                                                                  << y_em.width << " for " << used << " rows of "
+                                                                  << to_string(return_type) << "/" << d);
+      });
+      agree_or_throw(ep, problem, "pooled-wave experts", options_);
 
       // Return pools: the header's bit j flags that pool row j carries a result.
       auto bb = back.bytes;

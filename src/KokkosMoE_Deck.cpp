@@ -270,6 +270,7 @@ std::string toml_list(std::vector<int> const& v) {
 template <class T>
 std::string toml_list_of(std::vector<T> const& v) {
   std::ostringstream os;
+  os.precision(9);
   os << "[";
   for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
   os << "]";
@@ -582,6 +583,7 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
 
 std::string LayerDeck::resolved() const {
   std::ostringstream os;
+  os.precision(9);  // floats (gates, rows, scales) parse back to the same values
   os << "# resolved configuration of " << path << "\n";
   os << "[run]\nsteps = " << run.steps << "\nwarmup = " << run.warmup << "\nseed = " << run.seed << "\nreport = " << quoted(run.report)
      << "\nhdf5 = " << quoted(run.hdf5) << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(run.compare) << "\n";
@@ -598,16 +600,36 @@ std::string LayerDeck::resolved() const {
      << quoted(router.admission.policy == AdmissionPolicy::dropless ? "dropless"
                : router.admission.policy == AdmissionPolicy::expert_capacity ? "expert_capacity" : "device_capacity")
      << "\ncapacity_factor = " << router.admission.capacity_factor << "\ngemm = " << quoted(router_gemm) << "\n";
-  os << "\n[tokens]\nper_rank = " << tokens.per_rank << "\nsource = " << quoted(tokens.source) << "\nzipf_s = " << tokens.zipf_s
+  os << "\n[tokens]\n";
+  if (tokens.source != "explicit") os << "per_rank = " << tokens.per_rank << "\n";
+  os << "source = " << quoted(tokens.source) << "\nzipf_s = " << tokens.zipf_s
      << "\nhot_expert = " << tokens.hot_expert << "\nhot_fraction = " << tokens.hot_fraction << "\n";
-  if (!tokens.ranks.empty()) os << "# explicit tokens for " << tokens.ranks.size() << " ranks (see the deck)\n";
-  os << "\n[topology]\nlayout = " << quoted(topology.layout) << "\nnodes = " << topology.nodes << "\nranks_per_node = " << topology.ranks_per_node
-     << "\nnode_of_rank = " << toml_list(topology.node_of_rank) << "\nnics = " << quoted_list(topology.nics)
-     << "\nsynthetic = " << quoted(topology.synthetic) << "\nxml = " << quoted(topology.xml) << "\npeer_order = " << toml_list(topology.peer_order)
-     << "\nrelays_per_node = " << topology.relays_per_node << "\nrelay_policy = " << quoted(topology.relay_policy) << "\n";
-  os << "\n[placement]\npolicy = " << quoted(placement.policy) << "\nphysical_slots = " << placement.physical_slots << "\ngroups = " << placement.groups
-     << "\nloads = " << toml_list_of(placement.loads) << "\nload_file = " << quoted(placement.load_file)
-     << "\nreplica_policy = " << quoted(placement.replica_policy) << "\n";
+  for (auto const& rk : tokens.ranks) {
+    os << "[[tokens.rank]]\nhidden = [";
+    for (std::size_t t = 0; t < rk.hidden.size(); ++t) os << (t ? ", " : "") << toml_list_of(rk.hidden[t]);
+    os << "]\nroutes = [";
+    for (std::size_t i = 0; i < rk.routes.size(); ++i) {
+      auto const& r = rk.routes[i];
+      os << (i ? ", " : "") << "{token = " << r.token << ", k_slot = " << r.k_slot << ", expert = " << r.expert
+         << ", gate = " << r.gate << ", slot = " << r.slot << "}";
+    }
+    os << "]\n";
+  }
+  os << "\n[topology]\nlayout = " << quoted(topology.layout) << "\n";
+  if (!topology.node_of_rank.empty())
+    os << "node_of_rank = " << toml_list(topology.node_of_rank) << "\n";
+  else if (topology.ranks_per_node > 0)
+    os << "ranks_per_node = " << topology.ranks_per_node << "\n";
+  os << "nics = " << quoted_list(topology.nics) << "\n";
+  if (!topology.synthetic.empty()) os << "synthetic = " << quoted(topology.synthetic) << "\n";
+  if (!topology.xml.empty()) os << "xml = " << quoted(topology.xml) << "\n";
+  os << "peer_order = " << toml_list(topology.peer_order) << "\nrelays_per_node = " << topology.relays_per_node
+     << "\nrelay_policy = " << quoted(topology.relay_policy) << "\n";
+  os << "\n[placement]\npolicy = " << quoted(placement.policy) << "\n";
+  if (placement.policy.rfind("eplb", 0) == 0)
+    os << "physical_slots = " << placement.physical_slots << "\ngroups = " << placement.groups << "\nloads = " << toml_list_of(placement.loads)
+       << "\nload_file = " << quoted(placement.load_file) << "\n";
+  os << "replica_policy = " << quoted(placement.replica_policy) << "\n";
   for (auto const& s : placement.slots) os << "[[placement.slots]]\nexpert = " << s.expert << "\nrank = " << s.rank << "\n";
   os << "\n[exchange]\nalgorithm = " << quoted(exchange.algorithm) << "\nwatchdog_seconds = " << exchange.watchdog_seconds
      << "\nwaves = " << exchange.waves << "\nsender_cf = " << exchange.sender_cf << "\nreceiver_cf = " << exchange.receiver_cf << "\n";

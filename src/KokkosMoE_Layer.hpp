@@ -250,18 +250,22 @@ class MoELayer {
           h = xchg.dispatch(exec, placement_, plan, send, meta);
         }
         PayloadBuffer<MemorySpace> back;
+        std::string problem;
         {
           Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "experts");
-          RowMatrix<T, MemorySpace> x = typed_work(exec, "layer_x", h.repack.rows());
-          repack(exec, h.repack, h.arrived, x);
-          RowMatrix<T, MemorySpace> y = typed_work(exec, "layer_y", h.repack.rows());
-          rec.experts = runner_.run(exec, routed_, x, h.repack.offsets, y);
-          back = work_.payload(exec, "layer_back", config_.return_payload, d, h.repack.rows());
-          unrepack(exec, h.repack, y, back);
+          // A failure here is handed to the combine, which fails every rank.
+          problem = Exchange::Impl::problem_of([&] {
+            RowMatrix<T, MemorySpace> x = typed_work(exec, "layer_x", h.repack.rows());
+            repack(exec, h.repack, h.arrived, x);
+            RowMatrix<T, MemorySpace> y = typed_work(exec, "layer_y", h.repack.rows());
+            rec.experts = runner_.run(exec, routed_, x, h.repack.offsets, y);
+            back = work_.payload(exec, "layer_back", config_.return_payload, d, h.repack.rows());
+            unrepack(exec, h.repack, y, back);
+          });
         }
         {
           Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine_exchange");
-          returned = xchg.combine(exec, h, back);
+          returned = xchg.combine(exec, h, back, problem);
         }
         rec.ledger = h.ledger;
       };

@@ -1,0 +1,93 @@
+// TOML decks: values and defaults, located errors for unknown keys, wrong
+// types, out-of-range values and inconsistent settings, the shipped decks,
+// and the resolved echo parsing back to the same configuration.
+
+#include "kmoe_catch.hpp"
+#include "kmoe_test_util.hpp"
+
+#include <KokkosMoE_Deck.hpp>
+
+#include <fstream>
+#include <sstream>
+
+using namespace KokkosMoE;
+
+namespace {
+std::string read(std::string const& path) {
+  std::ifstream in(path);
+  std::ostringstream os;
+  os << in.rdbuf();
+  return os.str();
+}
+#define KMOE_DECK_ERROR(text, ranks, message) \
+  CHECK_THROWS_WITH(parse_layer_deck("d.toml", text, ranks), Catch::Matchers::Contains(message))
+}  // namespace
+
+TEST_CASE("defaults and values", "[deck]") {
+  auto const d = parse_layer_deck("d.toml", "", 4);
+  CHECK(d.model.experts == 8);
+  CHECK(d.model.top_k == 2);
+  CHECK(d.exchange.algorithm == "flat");
+  CHECK(d.topology.ranks_per_node == 4);
+  CHECK(d.router.num_experts == 8);
+  auto const v = parse_layer_deck("d.toml", R"(
+[model]
+experts = 16
+top_k = 4
+payload = "fp8_block128"
+[router]
+score = "sigmoid"
+groups = 4
+topk_groups = 2
+group_score = "top2_sum"
+route_scale = 2.5
+[topology]
+nodes = 3
+relays_per_node = 1
+peer_order = [3, 2, 1, 0, 5, 4]
+[exchange]
+algorithm = "pooled_wave"
+waves = 3
+)",
+                                  6);
+  CHECK(v.router.group_score == SetScore::top_m_sum);
+  CHECK(v.router.group_top_m == 2);
+  CHECK(v.router.normalize);  // sigmoid scores are normalized unless told otherwise
+  CHECK(v.model.payload == PayloadType::fp8_block128);
+  CHECK(v.topology.node_of_rank == std::vector<int>{0, 0, 1, 1, 2, 2});
+  CHECK(v.exchange.waves == 3);
+}
+
+TEST_CASE("errors name file, line, column and key", "[deck]") {
+  KMOE_DECK_ERROR("[model]\nhiden = 3\n", 1, "d.toml:2:1: unknown key 'model.hiden'");
+  KMOE_DECK_ERROR("[modle]\nhidden = 3\n", 1, "unknown key 'modle.hidden'");
+  KMOE_DECK_ERROR("[model]\nexperts = 2.5\n", 1, "d.toml:2:11: key 'model.experts': expected an integer, got a float");
+  KMOE_DECK_ERROR("[model]\ntop_k = 0\n", 1, "key 'model.top_k': = 0 is out of range");
+  KMOE_DECK_ERROR("[model]\nexperts = 3\ntop_k = 4\n", 1, "d.toml:3:9: key 'model.top_k': = 4 exceeds model.experts = 3");
+  KMOE_DECK_ERROR("[router]\ngroups = 3\n", 1, "key 'router.groups': = 3 does not divide model.experts = 8");
+  KMOE_DECK_ERROR("[router]\ngroups = 4\ntopk_groups = 5\n", 1, "key 'router.topk_groups': = 5 exceeds router.groups = 4");
+  KMOE_DECK_ERROR("[model]\ntop_k = 3\n[router]\ngroups = 4\ntopk_groups = 1\n", 1, "exceeds the 2 experts of router.topk_groups = 1 groups");
+  KMOE_DECK_ERROR("[exchange]\nalgorithm = \"ring\"\n", 1, "key 'exchange.algorithm': 'ring' is not one of 'flat' 'hierarchical' 'pooled_wave'");
+  KMOE_DECK_ERROR("[topology]\nranks_per_node = 3\n", 4, "key 'topology.ranks_per_node': = 3 does not divide the 4 ranks");
+  KMOE_DECK_ERROR("[topology]\nranks_per_node = 2\nrelays_per_node = 3\n", 4, "is more than the 2 ranks of the smallest node");
+  KMOE_DECK_ERROR("[topology]\npeer_order = [0, 0]\n", 2, "key 'topology.peer_order': lists rank 0 twice");
+  KMOE_DECK_ERROR("[router]\ncapacity_factor = -1\n", 1, "key 'router.capacity_factor': = -1 is out of range (must be > 0)");
+  KMOE_DECK_ERROR("[router]\nbias_update = \"sign\"\n", 1, "needs router.correction_bias = true");
+  KMOE_DECK_ERROR("[placement]\npolicy = \"explicit\"\n", 1, "an explicit placement needs [[placement.slots]]");
+  KMOE_DECK_ERROR("[model]\nexperts = 4\n[placement]\npolicy = \"eplb\"\nphysical_slots = 6\n", 4, "is not a multiple of the 4 ranks");
+  KMOE_DECK_ERROR("[tokens]\nsource = \"explicit\"\n", 2, "explicit tokens are given for 0 ranks, the run has 2");
+  KMOE_DECK_ERROR("[model\n", 1, "d.toml:1:");
+  KMOE_DECK_ERROR("[experts]\nrunner = \"scalar\"\nscales = [1, 2]\n", 1, "key 'experts.scales': has 2 entries for 8 experts");
+}
+
+TEST_CASE("shipped decks parse, and the resolved echo parses to the same settings", "[deck]") {
+  for (std::string const name : {"quickstart", "deepseek_v3", "mixtral", "hot_expert", "pooled_wave", "decode", "dispatch_v17"}) {
+    INFO(name);
+    std::string const path = std::string(KMOE_TEST_DATA_DIR) + "/../../inputs/" + name + ".toml";
+    auto const d = parse_layer_deck(path, read(path), 4);
+    auto const again = parse_layer_deck(path + " (resolved)", d.resolved(), 4);
+    CHECK(again.resolved().substr(again.resolved().find('\n')) == d.resolved().substr(d.resolved().find('\n')));
+    CHECK(again.model.experts == d.model.experts);
+    CHECK(again.router.route_scale == d.router.route_scale);
+  }
+}

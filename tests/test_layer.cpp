@@ -1,0 +1,146 @@
+// The MoE layer end to end: a distributed forward over the EP group equals a
+// single-rank evaluation of the same global tokens (fp32 rows bitwise, bf16
+// rows within rounding) for every exchange algorithm without drops; the layer
+// rejects bad inputs on every rank.
+
+#include "kmoe_catch.hpp"
+#include "kmoe_test_util.hpp"
+
+#include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_LayerSetup.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+using namespace KokkosMoE;
+using Exec = Kokkos::DefaultExecutionSpace;
+using MS = Exec::memory_space;
+
+namespace {
+
+std::string deck_text(std::string const& dtype, std::string const& payload, std::string const& algorithm, int size) {
+  std::ostringstream os;
+  os << "[run]\nseed = 77\n"
+     << "[model]\nhidden = 16\nexperts = 12\ntop_k = 3\nffn = 24\nshared_experts = 1\nshared_ffn = 20\n"
+     << "dtype = \"" << dtype << "\"\npayload = \"" << payload << "\"\nreturn_payload = \"" << (payload == "fp32" ? "fp32" : "bf16") << "\"\n"
+     << "[router]\nscore = \"sigmoid\"\ngroups = 4\ntopk_groups = 2\ngroup_score = \"top2_sum\"\nroute_scale = 2.5\n"
+     << "gemm = \"generic\"\n"
+     << "[tokens]\nper_rank = 9\nsource = \"router\"\n"
+     << "[topology]\nlayout = \"virtual\"\nnodes = 2\n"
+     << "[exchange]\nalgorithm = \"" << algorithm << "\"\nwaves = 2\nsender_cf = " << 3 * size << "\nreceiver_cf = " << 12 * size << "\n"
+     << "[experts]\nrunner = \"grouped\"\n";
+  return os.str();
+}
+
+/// Runs one forward of the deck's layer over comm for `count` tokens from
+/// global token `first`; returns the output rows as float.
+template <class T>
+std::vector<float> forward_once(LayerDeck const& deck, MPI_Comm comm, index_t first, index_t count, index_t static_tokens) {
+  Exec exec;
+  int const rank = comm_rank(comm);
+  int const size = comm_size(comm);
+  auto topo = Topology::Topology::discover(comm, Setup::layout_spec(deck));
+  Topology::CommunicatorSet comms(comm, topo, Setup::comm_spec(deck));
+  std::vector<int> nodes(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) nodes[static_cast<std::size_t>(r)] = topo.node_of(r);
+  auto placement = Setup::make_placement(deck, nodes, comm);
+  auto config = Setup::layer_config(deck, placement);
+  config.tokens_per_rank = static_tokens;
+  auto rw = Setup::router_weight<T, MS>(deck);
+  auto routed = Setup::routed_weights<T, MS>(exec, deck, placement, rank, comm);
+  auto shared = Setup::shared_weights<T, MS>(exec, deck);
+  MoELayer<T, Exec, MS> layer(config, comms, placement, rw, routed, shared);
+  auto hidden = Setup::hidden_rows<T, MS>(deck, 0, first, count, rank);
+  RowMatrix<T, MS> out("out", count, deck.model.hidden);
+  auto rec = layer.forward(exec, hidden, out);
+  CHECK(rec.routes.dropped == 0);
+  CHECK(rec.ledger.dispatch.sender_drops == 0);
+  CHECK(rec.ledger.dispatch.receiver_drops == 0);
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
+  std::vector<float> v(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) v[i] = to_float(h.data()[i]);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("distributed layer equals a single-rank evaluation of the same global tokens", "[layer]") {
+  int const size = kmoe_test::world_size();
+  int const rank = kmoe_test::world_rank();
+  for (std::string const algorithm : {"flat", "hierarchical", "pooled_wave"}) {
+    for (std::string const dtype : {"fp32", "bf16"}) {
+      std::string const payload = dtype == "fp32" ? "fp32" : "bf16";
+      INFO(algorithm << " " << dtype << " at " << size << " ranks");
+      auto const text = deck_text(dtype, payload, algorithm, size);
+      auto const deck = parse_layer_deck("layer-test", text, size);
+      index_t const T = deck.tokens.per_rank;
+      std::vector<float> dist, single;
+      // The single-rank reference: the same deck on one rank (flat exchange).
+      auto const deck1 = parse_layer_deck("layer-test", deck_text(dtype, payload, "flat", 1), 1);
+      if (dtype == "fp32") {
+        dist = forward_once<float>(deck, MPI_COMM_WORLD, rank * T, T, T);
+        single = forward_once<float>(deck1, MPI_COMM_SELF, 0, T * size, T * size);
+      } else {
+        dist = forward_once<bf16_t>(deck, MPI_COMM_WORLD, rank * T, T, T);
+        single = forward_once<bf16_t>(deck1, MPI_COMM_SELF, 0, T * size, T * size);
+      }
+      int const d = deck.model.hidden;
+      REQUIRE(dist.size() == static_cast<std::size_t>(T * d));
+      std::vector<float> mine(single.begin() + rank * T * d, single.begin() + (rank + 1) * T * d);
+      if (dtype == "fp32") {
+        CHECK(std::memcmp(dist.data(), mine.data(), dist.size() * sizeof(float)) == 0);
+      } else {
+        // bf16 rows: the same routes and kernels; differences stay within one
+        // bf16 rounding of the output.
+        double worst = 0;
+        for (std::size_t i = 0; i < dist.size(); ++i)
+          worst = std::max(worst, std::fabs(static_cast<double>(dist[i]) - mine[i]) / (std::fabs(static_cast<double>(mine[i])) + 1e-3));
+        CHECK(worst <= 1.0 / 128);
+      }
+      double norm = 0;
+      for (float x : dist) norm += std::fabs(x);
+      CHECK(norm > 0);  // the layer produced something
+    }
+  }
+}
+
+TEST_CASE("the layer rejects bad inputs on every rank without a hang", "[layer][errors]") {
+  int const size = kmoe_test::world_size();
+  int const rank = kmoe_test::world_rank();
+  auto const deck = parse_layer_deck("layer-test", deck_text("fp32", "fp32", "flat", size), size);
+  Exec exec;
+  auto topo = Topology::Topology::discover(MPI_COMM_WORLD, Setup::layout_spec(deck));
+  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Setup::comm_spec(deck));
+  std::vector<int> nodes(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) nodes[static_cast<std::size_t>(r)] = topo.node_of(r);
+  auto placement = Setup::make_placement(deck, nodes, MPI_COMM_WORLD);
+  auto config = Setup::layer_config(deck, placement);
+  auto rw = Setup::router_weight<float, MS>(deck);
+  auto routed = Setup::routed_weights<float, MS>(exec, deck, placement, rank, MPI_COMM_WORLD);
+  MoELayer<float, Exec, MS> layer(config, comms, placement, rw, routed);
+  // Rank 0 passes rows of the wrong width: every rank fails.
+  int const width = rank == 0 ? deck.model.hidden + 1 : deck.model.hidden;
+  RowMatrix<float, MS> hidden("hidden", 4, width), out("out", 4, width);
+  bool caught = false;
+  try {
+    RouteTable<MS> table("t", 4, deck.model.top_k, deck.model.experts);
+    auto e = Kokkos::create_mirror_view(table.expert);
+    auto a = Kokkos::create_mirror_view(table.accepted);
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < deck.model.top_k; ++j) {
+        e(t, j) = (t + j) % deck.model.experts;
+        a(t, j) = 1;
+      }
+    Kokkos::deep_copy(table.expert, e);
+    Kokkos::deep_copy(table.accepted, a);
+    layer.forward_routes(exec, hidden, table, out);
+  } catch (CollectiveError const& err) {
+    caught = true;
+    CHECK(std::string(err.what()).find("MoE layer: hidden is 4x17") != std::string::npos);
+  }
+  CHECK(caught);
+  // A layer built from weights of the wrong width is refused everywhere.
+  auto bad = Experts::ExpertWeights<float, MS>("bad", routed.slot_expert(), deck.model.hidden + (rank == 0 ? 1 : 0), 8);
+  CHECK_THROWS_AS((MoELayer<float, Exec, MS>(config, comms, placement, rw, bad)), CollectiveError);
+}
