@@ -229,19 +229,18 @@ int run_typed(LayerDeck const& deck, Options const& opt) {
   }
 
   if (opt.print_output) {
-    // Rank by rank, so the lines come out in order.
-    for (int r = 0; r < size; ++r) {
-      if (r == rank) {
-        auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), outs[0]);
-        for (std::size_t t = 0; t < h.extent(0); ++t) {
-          std::printf("output rank %d token %zu:", rank, t);
-          for (std::size_t c = 0; c < h.extent(1); ++c) std::printf(" %.6g", static_cast<double>(to_float(h(t, c))));
-          std::printf("\n");
-        }
-        std::fflush(stdout);
-      }
-      MPI_Barrier(world);
+    // Gathered to rank 0 so the lines come out in rank order.
+    std::ostringstream mine;
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), outs[0]);
+    for (std::size_t t = 0; t < h.extent(0); ++t) {
+      mine << "output rank " << rank << " token " << t << ":";
+      for (std::size_t c = 0; c < h.extent(1); ++c) mine << " " << std::setprecision(6) << static_cast<double>(to_float(h(t, c)));
+      mine << "\n";
     }
+    auto const all = allgather_strings(world, mine.str());
+    if (rank == 0)
+      for (auto const& text : all) std::cout << text;
+    std::cout << std::flush;
   }
 
   // Summary, report, PERFORMANCE line (rank 0).
