@@ -38,6 +38,7 @@ class FlatExchange {
                                        PayloadBuffer<MemorySpace> const& send, Kokkos::View<RowMeta*, MemorySpace> const& meta,
                                        GenerationHandle ref = {}) {
     auto const& ep = comms_->ep();
+    Kokkos::Timer timer;
     DispatchHandle<MemorySpace> h;
     h.algorithm = name;
     h.generation = placement.generation();
@@ -66,6 +67,8 @@ class FlatExchange {
     StageLedger stage{"all-to-all", ep.name()};
     add_sends(stage, plan.counts, ep.peer_order(), comms_->global_rank(), Impl::node_of_rank(*comms_), send.row_bytes(),
               sizeof(RowMeta));
+    Compat::fence(exec, "KokkosMoE::FlatExchange::dispatch");
+    stage.seconds = timer.seconds();
     h.ledger.dispatch.stages.push_back(stage);
     h.ledger.dispatch.useful_rows = n;
     last_generation_ = h.generation;
@@ -83,6 +86,7 @@ class FlatExchange {
   PayloadBuffer<MemorySpace> combine(Exec const& exec, DispatchHandle<MemorySpace>& h, PayloadBuffer<MemorySpace> const& back,
                                      std::string const& local_problem = {}) {
     auto const& ep = comms_->ep();
+    Kokkos::Timer timer;
     std::string const problem =
         local_problem.empty() ? Impl::handle_problem(*comms_, h, name, back.rows(), registry_, last_generation_) : local_problem;
     auto agreed = agree_counts(ep, h.recv_counts, back.rows(), &h.plan.counts, "flat combine counts", options_, problem);
@@ -91,6 +95,8 @@ class FlatExchange {
                    "flat combine rows", options_);
     StageLedger stage{"all-to-all (reverse)", ep.name()};
     add_sends(stage, h.recv_counts, ep.peer_order(), comms_->global_rank(), Impl::node_of_rank(*comms_), back.row_bytes(), 0);
+    Compat::fence(exec, "KokkosMoE::FlatExchange::combine");
+    stage.seconds = timer.seconds();
     h.ledger.combine.stages = {stage};
     h.ledger.combine.useful_rows = h.plan.rows();
     h.ledger.combine_payload = to_string(back.type);

@@ -56,6 +56,13 @@ class HierarchicalExchange {
     auto const& node = comms.node_local();
     int const me = comms.global_rank();
     auto const nor = Impl::node_of_rank(comms);
+    Kokkos::Timer timer;
+    auto lap = [&] {
+      Compat::fence(exec, "KokkosMoE::HierarchicalExchange: stage");
+      double const t = timer.seconds();
+      timer.reset();
+      return t;
+    };
     DispatchHandle<MemorySpace> h;
     h.algorithm = name;
     h.generation = placement.generation();
@@ -108,6 +115,7 @@ class HierarchicalExchange {
         st.relay_rows += transit;
         st.relay_bytes += transit * (send.row_bytes() + static_cast<std::int64_t>(sizeof(RowMeta)));
       }
+      st.seconds = lap();
       h.ledger.dispatch.stages.push_back(st);
     }
 
@@ -163,6 +171,7 @@ class HierarchicalExchange {
                        s2.send_counts, s2.recv_counts, "hierarchical dispatch stage 2 rows", options_);
         add_sends(st, s2.send_counts, rc.peer_order(), me, nor, send.row_bytes(), sizeof(RowMeta));
       }
+      st.seconds = lap();
       h.ledger.dispatch.stages.push_back(st);
     }
 
@@ -204,6 +213,7 @@ class HierarchicalExchange {
       st.relay_bytes += moved * (send.row_bytes() + static_cast<std::int64_t>(sizeof(RowMeta)));
       h.ledger.dispatch.stages.push_back(st);
     }
+    auto& scatter_stage = h.ledger.dispatch.stages.back();
 
     // Final rows: stage-1 rows kept here (send order of stage 2's last
     // bucket), then stage-3 arrivals; restore the flat arrival order by a
@@ -244,6 +254,7 @@ class HierarchicalExchange {
     h.stages = {s1, s2, s3};
     agree_or_throw(comms.ep(), Impl::problem_of([&] { h.repack = make_repack_plan(exec, h.arrived_meta, placement, me); }),
                    "hierarchical dispatch repack", options_);
+    scatter_stage.seconds = lap();  // scatter plus restoring the flat arrival order
     h.ledger.dispatch.useful_rows = nf;
     last_generation_ = h.generation;
     return h;
@@ -257,6 +268,13 @@ class HierarchicalExchange {
     auto const& node = comms.node_local();
     int const me = comms.global_rank();
     auto const nor = Impl::node_of_rank(comms);
+    Kokkos::Timer timer;
+    auto lap = [&] {
+      Compat::fence(exec, "KokkosMoE::HierarchicalExchange: stage");
+      double const t = timer.seconds();
+      timer.reset();
+      return t;
+    };
     agree_or_throw(comms.ep(),
                    local_problem.empty() ? Impl::handle_problem(comms, h, name, back.rows(), registry_, last_generation_) : local_problem,
                    "hierarchical combine", options_);
@@ -287,6 +305,7 @@ class HierarchicalExchange {
                      "hierarchical combine stage 3 rows", options_);
       StageLedger st{"relay gather (reverse of relay scatter)", node.name()};
       add_sends(st, s3.recv_counts, node.peer_order(), me, nor, back.row_bytes(), 0);
+      st.seconds = lap();
       h.ledger.combine.stages.push_back(st);
     }
     // Undo stage 3's permutation: relay rows back in stage-2 arrival order.
@@ -308,6 +327,7 @@ class HierarchicalExchange {
                        "hierarchical combine stage 2 rows", options_);
         add_sends(st, s2.recv_counts, rc.peer_order(), me, nor, back.row_bytes(), 0);
       }
+      st.seconds = lap();
       h.ledger.combine.stages.push_back(st);
     }
     // Rebuild stage-1 arrival order: transit rows from stage 2, kept rows from
@@ -332,6 +352,7 @@ class HierarchicalExchange {
       add_sends(st, s1.recv_counts, node.peer_order(), me, nor, back.row_bytes(), 0);
       h.ledger.combine.stages.push_back(st);
     }
+    auto& return_stage = h.ledger.combine.stages.back();
     // The reverse stages move the same relay rows as their dispatch mirrors
     // (attributed to this rank's dispatch role; sums over ranks agree).
     auto const& d = h.ledger.dispatch.stages;
@@ -344,6 +365,7 @@ class HierarchicalExchange {
     auto perm1 = s1.send_perm;
     Impl::scatter_rows(exec, s1_back, KOKKOS_LAMBDA(index_t p)->index_t { return perm1(p); }, returned,
                        "KokkosMoE::HierarchicalExchange::unpermute1");
+    return_stage.seconds = lap();
     h.ledger.combine.useful_rows = h.plan.rows();
     h.combined = true;
     return returned;

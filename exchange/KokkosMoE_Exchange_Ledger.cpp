@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <iomanip>
 #include <sstream>
 
@@ -78,7 +79,8 @@ json direction_json(DirectionLedger const& d) {
                           {"relay_rows", s.relay_rows},
                           {"relay_bytes", s.relay_bytes},
                           {"padding_rows", s.padding_rows},
-                          {"header_rows", s.header_rows}});
+                          {"header_rows", s.header_rows},
+                          {"seconds", s.seconds}});
   }
   json totals;
   for (int c = 0; c < num_link_classes; ++c) totals[to_string(static_cast<LinkClass>(c))] = counts_json(d.by_class(static_cast<LinkClass>(c)));
@@ -130,6 +132,8 @@ void unflatten(DirectionLedger& d, std::vector<std::int64_t> const& v, std::size
 }
 
 void accumulate_direction(DirectionLedger& a, DirectionLedger const& b) {
+  KOKKOSMOE_REQUIRE(a.stages.size() == b.stages.size(), "ledgers with different stage structure cannot be added");
+  for (std::size_t s = 0; s < a.stages.size(); ++s) a.stages[s].seconds = std::max(a.stages[s].seconds, b.stages[s].seconds);
   std::vector<std::int64_t> va, vb;
   flatten(a, va);
   flatten(b, vb);
@@ -174,6 +178,15 @@ ByteLedger ByteLedger::reduced(MPI_Comm comm) const {
   std::size_t i = 0;
   unflatten(out.dispatch, sum, i);
   unflatten(out.combine, sum, i);
+  // Stage times: the slowest rank's.
+  std::vector<double> t, tmax;
+  for (auto const* d : {&dispatch, &combine})
+    for (auto const& s : d->stages) t.push_back(s.seconds);
+  tmax.resize(t.size());
+  if (!t.empty()) MPI_Allreduce(t.data(), tmax.data(), static_cast<int>(t.size()), MPI_DOUBLE, MPI_MAX, comm);
+  std::size_t k = 0;
+  for (auto* d : {&out.dispatch, &out.combine})
+    for (auto& s : d->stages) s.seconds = tmax[k++];
   out.ranks = comm_size(comm);
   return out;
 }
@@ -185,7 +198,7 @@ std::string ByteLedger::table() const {
      << " B meta/row, " << ranks << " rank" << (ranks > 1 ? "s" : "") << ")\n";
   os << std::left << std::setw(10) << "direction" << std::setw(26) << "stage" << std::setw(12) << "class"
      << std::right << std::setw(12) << "rows" << std::setw(16) << "payload_B" << std::setw(14) << "meta_B"
-     << std::setw(10) << "msgs" << "\n";
+     << std::setw(10) << "msgs" << std::setw(12) << "seconds" << "\n";
   for (auto const* dir : {&dispatch, &combine}) {
     char const* dname = dir == &dispatch ? "dispatch" : "combine";
     for (auto const& s : dir->stages)
@@ -194,7 +207,8 @@ std::string ByteLedger::table() const {
         if (x.rows == 0 && x.messages == 0) continue;
         os << std::left << std::setw(10) << dname << std::setw(26) << s.name << std::setw(12)
            << to_string(static_cast<LinkClass>(c)) << std::right << std::setw(12) << x.rows << std::setw(16)
-           << x.payload_bytes << std::setw(14) << x.meta_bytes << std::setw(10) << x.messages << "\n";
+           << x.payload_bytes << std::setw(14) << x.meta_bytes << std::setw(10) << x.messages << std::setw(12)
+           << s.seconds << "\n";
       }
     os << std::left << std::setw(10) << dname << "useful_rows=" << dir->useful_rows << " relay_rows=" << dir->relay_rows()
        << " relay_bytes=" << dir->relay_bytes() << " padding_rows=" << dir->padding_rows()

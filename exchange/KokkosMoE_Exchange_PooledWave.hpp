@@ -202,7 +202,9 @@ class PooledWaveExchange {
     auto back = work_.payload(exec, "pooled_back", return_type, d, P * pool);
     auto got = work_.payload(exec, "pooled_got", return_type, d, P * pool);
     std::int64_t receiver_drops = 0;
+    Kokkos::Timer timer;
     for (int w = 0; w < W; ++w) {
+      timer.reset();
       // Build the pools: header row with packed local expert ids, then rows.
       auto sb = send.bytes;
       zero_fill(exec, sb);
@@ -272,6 +274,7 @@ class PooledWaveExchange {
             ekey(x) = id < L ? id : L;
           });
       Kokkos::View<index_t*, MemorySpace> by_expert(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::by_expert"), n_pool);
+      auto& wave_stage = res.ledger.dispatch.stages.back();
       Kokkos::View<index_t*, MemorySpace> e_off("KokkosMoE::PooledWave::e_off", L + 2);
       KokkosMoE::Impl::stable_counting_sort(exec, ekey, L + 1, by_expert, e_off, "KokkosMoE::PooledWave::by_expert");
       auto he = Impl::host_vector(e_off);
@@ -307,6 +310,7 @@ class PooledWaveExchange {
       auto x_em = work_.payload(exec, "pooled_x_em", dispatch_type, d, used);
       gather_rows(exec, recv, KOKKOS_LAMBDA(index_t c)->index_t { return source_of(c); }, x_em, "KokkosMoE::PooledWave::compact_rows");
       Compat::fence(exec, "KokkosMoE::PooledWave: compacted");
+      wave_stage.seconds = timer.seconds();
       // A failing expert on one rank fails the wave on every rank (the return
       // pools are static, so nobody would notice otherwise).
       PayloadBuffer<MemorySpace> y_em;
@@ -319,6 +323,7 @@ class PooledWaveExchange {
                                                                   << to_string(return_type) << "/" << d);
       });
       agree_or_throw(ep, problem, "pooled-wave experts", options_);
+      timer.reset();
 
       // Return pools: the header's bit j flags that pool row j carries a result.
       auto bb = back.bytes;
@@ -374,6 +379,7 @@ class PooledWaveExchange {
             KokkosMoE::Impl::copy_row_bytes(team, &gb(q * pool + 1 + j, 0), &out(inv(a), 0), grb);
           });
       Compat::fence(exec, "KokkosMoE::PooledWave: wave collected");
+      res.ledger.combine.stages.back().seconds = timer.seconds();
     }
     res.receiver_drops = receiver_drops;
     res.ledger.dispatch.receiver_drops = receiver_drops;

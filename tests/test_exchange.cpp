@@ -8,6 +8,9 @@
 #include "kmoe_test_util.hpp"
 
 #include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Exchange_Planner.hpp>
+
+#include <sstream>
 
 #include <cstring>
 #include <numeric>
@@ -474,4 +477,121 @@ TEST_CASE("faults: count mismatch, stale handles and a skipped call fail every r
     }
     MPI_Barrier(MPI_COMM_WORLD);
   }
+}
+
+namespace {
+
+/// Ledger text without times (planned ledgers carry none).
+std::string untimed(ByteLedger l) {
+  for (auto* d : {&l.dispatch, &l.combine})
+    for (auto& s : d->stages) s.seconds = 0;
+  return l.to_json(0);
+}
+
+}  // namespace
+
+TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][planner]") {
+  int const size = world_size();
+  int const rank = world_rank();
+  int const rpn = size % 2 == 0 && size > 1 ? size / 2 : size;
+  auto topo = nodes_of(rpn);
+  auto const nor = nodes_vector(topo);
+  int const experts = 3 * size + 1;
+  std::vector<SlotInfo> slots;
+  for (int e = 0; e < experts; ++e) slots.push_back(SlotInfo{e, e % size, -1, 0, 0});
+  slots.push_back(SlotInfo{1, size - 1, -1, 0, 0});
+  Placement placement(experts, size, slots, nor);
+  std::vector<float> scale(static_cast<std::size_t>(experts), 1.5f);
+  for (Dist dist : {Dist::uniform, Dist::hot_expert}) {
+    std::mt19937 rng(55u + static_cast<unsigned>(rank) + 10u * static_cast<unsigned>(dist));
+    int tokens = 0;
+    auto routes = random_routes(dist, rank, size, experts, 3, rng, tokens);
+    RowMatrix<float, MS> hidden("hidden", tokens, 4);
+    Kokkos::deep_copy(hidden, 0.5f);
+    // This rank's routes as the planner sees them, gathered from every rank.
+    Exec exec;
+    auto table = make_table(routes, experts);
+    auto dp = make_device_placement<MS>(placement);
+    auto choice = make_replica_choice<MS>(placement, rank, nor[rank]);
+    auto rp = make_route_plan(exec, table, dp, choice, rank);
+    auto dest = to_host_vector(rp.dest_rank);
+    auto slot = to_host_vector(rp.slot);
+    std::string mine;
+    for (std::size_t i = 0; i < dest.size(); ++i)
+      mine += std::to_string(dest[i]) + " " + std::to_string(placement.local_index(slot[i])) + " ";
+    auto const all = allgather_strings(MPI_COMM_WORLD, mine);
+    std::vector<RankRoutes> rr(static_cast<std::size_t>(size));
+    for (int r = 0; r < size; ++r) {
+      std::istringstream in(all[static_cast<std::size_t>(r)]);
+      int d, q;
+      while (in >> d >> q) {
+        rr[static_cast<std::size_t>(r)].dest.push_back(d);
+        rr[static_cast<std::size_t>(r)].local_slot.push_back(q);
+      }
+    }
+    for (int R : {1, rpn >= 2 ? 2 : 1}) {
+      Topology::CommSpec spec;
+      spec.relays_per_node = R;
+      Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, spec);
+      PlanFormat fmt{PayloadType::fp32, PayloadType::fp32, 4};
+      INFO("np " << size << " R " << R << " dist " << static_cast<int>(dist));
+      FlatExchange<> flat(comms);
+      auto rf = run_step(flat, placement, routes, hidden, scale, rank, 0, std::vector<index_t>(static_cast<std::size_t>(size), 0),
+                         PayloadType::fp32, nor[rank]);
+      CHECK(untimed(rf.ledger) == untimed(plan_flat(topo, comms.layout(), rr, fmt)[static_cast<std::size_t>(rank)]));
+      HierarchicalExchange<> hier(comms);
+      auto rh = run_step(hier, placement, routes, hidden, scale, rank, 0, std::vector<index_t>(static_cast<std::size_t>(size), 0),
+                         PayloadType::fp32, nor[rank]);
+      CHECK(untimed(rh.ledger) == untimed(plan_hierarchical(topo, comms.layout(), rr, fmt)[static_cast<std::size_t>(rank)]));
+      // Pooled waves with small factors: drops included.
+      PooledWaveConfig pc;
+      pc.waves = 2;
+      pc.tokens_per_rank = 16;
+      pc.top_k = 3;
+      pc.local_experts = 0;
+      for (int r = 0; r < size; ++r) pc.local_experts = std::max(pc.local_experts, placement.num_slots_of_rank(r));
+      pc.sender_cf = 0.6;
+      pc.receiver_cf = 0.7;
+      PooledWaveExchange<> pooled(comms, pc);
+      auto rpw = run_pooled(pooled, placement, routes, hidden, scale, rank, PayloadType::fp32, nor[rank]);
+      auto const planned = plan_pooled_wave(topo, comms.layout(), rr, fmt, pc);
+      CHECK(untimed(rpw.ledger) == untimed(planned[static_cast<std::size_t>(rank)]));
+      // Sums over ranks agree with the reduced measured ledger.
+      CHECK(untimed(rpw.ledger.reduced(MPI_COMM_WORLD)) == untimed(sum_ledgers(planned)));
+    }
+  }
+}
+
+TEST_CASE("simulated clusters: 1024 ranks on 128 nodes, one relay vs rail relays", "[exchange][planner][simulate]") {
+  Topology::LayoutSpec s;
+  s.kind = Topology::LayoutKind::virtual_nodes;
+  s.ranks_per_node = 8;
+  auto topo = Topology::Topology::simulated(1024, s);
+  int const experts = 2048;
+  std::vector<RankRoutes> rr(1024);
+  std::mt19937 rng(3);
+  for (int r = 0; r < 1024; ++r)
+    for (int t = 0; t < 16 * 4; ++t) {
+      int const e = static_cast<int>(rng() % experts);
+      rr[static_cast<std::size_t>(r)].dest.push_back(e % 1024);
+      rr[static_cast<std::size_t>(r)].local_slot.push_back(e / 1024);
+    }
+  PlanFormat fmt{PayloadType::bf16, PayloadType::bf16, 64};
+  Topology::CommSpec one, rails;
+  rails.relays_per_node = 8;
+  auto const L1 = make_comm_layout(topo, one);
+  auto const L8 = make_comm_layout(topo, rails);
+  auto const flat = sum_ledgers(plan_flat(topo, L1, rr, fmt));
+  auto const h1 = sum_ledgers(plan_hierarchical(topo, L1, rr, fmt));
+  auto const h8 = sum_ledgers(plan_hierarchical(topo, L8, rr, fmt));
+  CHECK_NOTHROW(check_inter_node_equal(flat, h1));
+  CHECK_NOTHROW(check_inter_node_equal(flat, h8));
+  CHECK(flat.dispatch.useful_rows == 1024 * 64);
+  // One relay per node: few inter-node message pairs (node pairs), many relay rows.
+  CHECK(h1.dispatch.by_class(LinkClass::inter_node).messages <= 128 * 127);
+  CHECK(h8.dispatch.by_class(LinkClass::inter_node).messages <= 8 * 128 * 127);
+  CHECK(flat.dispatch.by_class(LinkClass::inter_node).messages > h8.dispatch.by_class(LinkClass::inter_node).messages);
+  auto const m1 = ledger_maxima(topo, plan_hierarchical(topo, L1, rr, fmt));
+  auto const m8 = ledger_maxima(topo, plan_hierarchical(topo, L8, rr, fmt));
+  CHECK(m1.relay_rows > m8.relay_rows);  // rails spread the relay work
 }

@@ -1,0 +1,289 @@
+#include <KokkosMoE_Error.hpp>
+#include <KokkosMoE_Exchange_Planner.hpp>
+
+#include <algorithm>
+
+namespace KokkosMoE {
+namespace Exchange {
+
+namespace {
+
+using Matrix = std::vector<std::vector<std::int64_t>>;
+
+ByteLedger blank(char const* algorithm, PlanFormat const& f) {
+  ByteLedger l;
+  l.algorithm = algorithm;
+  l.payload = to_string(f.payload);
+  l.combine_payload = to_string(f.return_payload);
+  l.width = f.width;
+  l.row_bytes = payload_row_bytes(f.payload, f.width);
+  l.combine_row_bytes = payload_row_bytes(f.return_payload, f.width);
+  l.meta_row_bytes = sizeof(RowMeta);
+  l.ranks = 1;
+  return l;
+}
+
+std::vector<int> nodes_of(Topology::Topology const& topo) {
+  std::vector<int> n(static_cast<std::size_t>(topo.size()));
+  for (int r = 0; r < topo.size(); ++r) n[static_cast<std::size_t>(r)] = topo.node_of(r);
+  return n;
+}
+
+Matrix count_matrix(std::vector<RankRoutes> const& routes, int N) {
+  Matrix c(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 0));
+  for (int s = 0; s < N; ++s)
+    for (int d : routes[static_cast<std::size_t>(s)].dest) {
+      KOKKOSMOE_REQUIRE(d >= 0 && d < N, "planner: rank " << s << " routes to rank " << d << " of " << N);
+      ++c[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)];
+    }
+  return c;
+}
+
+/// counts by global rank -> counts in a peer order.
+std::vector<std::int64_t> in_order(std::vector<std::int64_t> const& by_rank, std::vector<int> const& order) {
+  std::vector<std::int64_t> v(order.size());
+  for (std::size_t p = 0; p < order.size(); ++p) v[p] = by_rank[static_cast<std::size_t>(order[p])];
+  return v;
+}
+
+void check_inputs(Topology::Topology const& topo, Topology::CommLayout const& layout, std::vector<RankRoutes> const& routes) {
+  KOKKOSMOE_REQUIRE(static_cast<int>(routes.size()) == topo.size(),
+                    "planner: routes for " << routes.size() << " ranks, topology has " << topo.size());
+  Topology::validate(topo, layout);
+}
+
+}  // namespace
+
+std::vector<ByteLedger> plan_flat(Topology::Topology const& topo, Topology::CommLayout const& layout,
+                                  std::vector<RankRoutes> const& routes, PlanFormat const& f) {
+  check_inputs(topo, layout, routes);
+  int const N = topo.size();
+  auto const nor = nodes_of(topo);
+  auto const c = count_matrix(routes, N);
+  std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank("flat", f));
+  std::string const ep = "kmoe-ep";
+  for (int me = 0; me < N; ++me) {
+    auto& l = out[static_cast<std::size_t>(me)];
+    std::vector<std::int64_t> recv(static_cast<std::size_t>(N));
+    for (int s = 0; s < N; ++s) recv[static_cast<std::size_t>(s)] = c[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
+    StageLedger d{"all-to-all", ep};
+    add_sends(d, in_order(c[static_cast<std::size_t>(me)], layout.ep_order), layout.ep_order, me, nor, l.row_bytes, l.meta_row_bytes);
+    l.dispatch.stages.push_back(d);
+    for (auto x : recv) l.dispatch.useful_rows += x;
+    StageLedger b{"all-to-all (reverse)", ep};
+    add_sends(b, in_order(recv, layout.ep_order), layout.ep_order, me, nor, l.combine_row_bytes, 0);
+    l.combine.stages.push_back(b);
+    l.combine.useful_rows = static_cast<std::int64_t>(routes[static_cast<std::size_t>(me)].dest.size());
+  }
+  return out;
+}
+
+std::vector<ByteLedger> plan_hierarchical(Topology::Topology const& topo, Topology::CommLayout const& layout,
+                                          std::vector<RankRoutes> const& routes, PlanFormat const& f) {
+  check_inputs(topo, layout, routes);
+  int const N = topo.size();
+  int const nodes = topo.num_nodes();
+  auto const nor = nodes_of(topo);
+  auto const c = count_matrix(routes, N);
+  auto relay_of = [&](int s) { return Topology::relay_for(topo, layout, s, nor[static_cast<std::size_t>(s)]); };
+  auto rail_of = [&](int s) { return Topology::rail_of(topo, layout, s); };
+  // Stage 1 counts s -> x (x on s's node): direct rows, plus transit rows to s's relay.
+  Matrix s1(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 0));
+  // Stage 2 counts relay -> relay; stage 3 counts relay -> final.
+  Matrix s2 = s1, s3 = s1;
+  std::vector<std::int64_t> transit(static_cast<std::size_t>(N), 0);
+  for (int s = 0; s < N; ++s)
+    for (int d = 0; d < N; ++d) {
+      std::int64_t const n = c[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)];
+      if (n == 0) continue;
+      int const a = nor[static_cast<std::size_t>(s)], b = nor[static_cast<std::size_t>(d)];
+      if (a == b) {
+        s1[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)] += n;
+        continue;
+      }
+      int const r = relay_of(s);
+      int const r2 = layout.relays[static_cast<std::size_t>(b)][static_cast<std::size_t>(rail_of(s))];
+      s1[static_cast<std::size_t>(s)][static_cast<std::size_t>(r)] += n;
+      transit[static_cast<std::size_t>(s)] += n;
+      s2[static_cast<std::size_t>(r)][static_cast<std::size_t>(r2)] += n;
+      s3[static_cast<std::size_t>(r2)][static_cast<std::size_t>(d)] += n;
+    }
+  std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank("hierarchical", f));
+  for (int me = 0; me < N; ++me) {
+    auto& l = out[static_cast<std::size_t>(me)];
+    int const node = nor[static_cast<std::size_t>(me)];
+    auto const& group = layout.node_groups[static_cast<std::size_t>(node)];
+    std::string const node_name = "kmoe-node" + std::to_string(node);
+    int rail = -1;
+    for (int j = 0; j < layout.relays_per_node; ++j)
+      if (layout.relays[static_cast<std::size_t>(node)][static_cast<std::size_t>(j)] == me) rail = j;
+    std::int64_t const per_row = l.row_bytes + l.meta_row_bytes;
+    auto column = [&](Matrix const& m) {
+      std::vector<std::int64_t> v(static_cast<std::size_t>(N));
+      for (int s = 0; s < N; ++s) v[static_cast<std::size_t>(s)] = m[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
+      return v;
+    };
+    // Dispatch.
+    StageLedger d1{"gather to relay + node-local direct", node_name};
+    add_sends(d1, in_order(s1[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes);
+    if (relay_of(me) != me) {
+      d1.relay_rows += transit[static_cast<std::size_t>(me)];
+      d1.relay_bytes += transit[static_cast<std::size_t>(me)] * per_row;
+    }
+    StageLedger d2{"relay to relay", rail >= 0 ? "kmoe-relay" + std::to_string(rail) : std::string("-")};
+    if (rail >= 0) {
+      auto const& rg = layout.relay_groups[static_cast<std::size_t>(rail)];
+      add_sends(d2, in_order(s2[static_cast<std::size_t>(me)], rg), rg, me, nor, l.row_bytes, l.meta_row_bytes);
+    }
+    StageLedger d3{"relay scatter", node_name};
+    add_sends(d3, in_order(s3[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes);
+    std::int64_t moved = 0;
+    for (int x : group)
+      if (x != me) moved += s3[static_cast<std::size_t>(me)][static_cast<std::size_t>(x)];
+    d3.relay_rows += moved;
+    d3.relay_bytes += moved * per_row;
+    l.dispatch.stages = {d1, d2, d3};
+    for (int s = 0; s < N; ++s) l.dispatch.useful_rows += c[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
+    // Combine: the reverse stages send back what each stage received.
+    StageLedger c3{"relay gather (reverse of relay scatter)", node_name};
+    add_sends(c3, in_order(column(s3), group), group, me, nor, l.combine_row_bytes, 0);
+    StageLedger c2{"relay to relay (reverse)", d2.communicator};
+    if (rail >= 0) {
+      auto const& rg = layout.relay_groups[static_cast<std::size_t>(rail)];
+      add_sends(c2, in_order(column(s2), rg), rg, me, nor, l.combine_row_bytes, 0);
+    }
+    StageLedger c1{"return from relay + node-local direct", node_name};
+    add_sends(c1, in_order(column(s1), group), group, me, nor, l.combine_row_bytes, 0);
+    l.combine.stages = {c3, c2, c1};
+    for (std::size_t i = 0; i < 3; ++i) {
+      l.combine.stages[i].relay_rows = l.dispatch.stages[2 - i].relay_rows;
+      l.combine.stages[i].relay_bytes = l.combine.stages[i].relay_rows * l.combine_row_bytes;
+    }
+    l.combine.useful_rows = static_cast<std::int64_t>(routes[static_cast<std::size_t>(me)].dest.size());
+  }
+  (void)nodes;
+  return out;
+}
+
+std::vector<ByteLedger> plan_pooled_wave(Topology::Topology const& topo, Topology::CommLayout const& layout,
+                                         std::vector<RankRoutes> const& routes, PlanFormat const& f,
+                                         PooledWaveConfig const& config) {
+  check_inputs(topo, layout, routes);
+  int const N = topo.size();
+  auto const nor = nodes_of(topo);
+  auto const shapes = pooled_wave_shapes(config, N);
+  int const W = config.waves;
+  int const L = config.local_experts;
+  std::int64_t const Rs = shapes.sender_pool_rows, Rr = shapes.receiver_expert_rows;
+  auto const& order = layout.ep_order;
+  // seq[s][d]: local slot ids of s's routes to d in stable route order.
+  std::vector<std::vector<std::vector<int>>> seq(static_cast<std::size_t>(N), std::vector<std::vector<int>>(static_cast<std::size_t>(N)));
+  for (int s = 0; s < N; ++s) {
+    auto const& r = routes[static_cast<std::size_t>(s)];
+    KOKKOSMOE_REQUIRE(r.dest.size() == r.local_slot.size(), "planner: rank " << s << " has " << r.dest.size()
+                                                                            << " destinations and " << r.local_slot.size() << " slots");
+    for (std::size_t i = 0; i < r.dest.size(); ++i)
+      seq[static_cast<std::size_t>(s)][static_cast<std::size_t>(r.dest[i])].push_back(r.local_slot[i]);
+  }
+  std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank("pooled_wave", f));
+  for (int me = 0; me < N; ++me) {
+    auto& l = out[static_cast<std::size_t>(me)];
+    std::int64_t sender_drops = 0, receiver_drops = 0;
+    for (int d = 0; d < N; ++d)
+      sender_drops += std::max<std::int64_t>(0, static_cast<std::int64_t>(seq[static_cast<std::size_t>(me)][static_cast<std::size_t>(d)].size()) - Rs * W);
+    for (int w = 0; w < W; ++w) {
+      // Rows this rank sends in wave w to each peer slot, and rows it keeps of
+      // what every source sends it (receiver compaction in (source, row) order).
+      std::vector<std::int64_t> useful(order.size(), 0), kept_from(order.size(), 0);
+      for (std::size_t p = 0; p < order.size(); ++p) {
+        auto const& mine = seq[static_cast<std::size_t>(me)][static_cast<std::size_t>(order[p])];
+        for (std::int64_t j = 0; j < Rs; ++j)
+          if (j * W + w < static_cast<std::int64_t>(mine.size())) ++useful[p];
+      }
+      std::vector<std::int64_t> per_expert(static_cast<std::size_t>(L), 0);
+      for (std::size_t p = 0; p < order.size(); ++p) {
+        auto const& from = seq[static_cast<std::size_t>(order[p])][static_cast<std::size_t>(me)];
+        for (std::int64_t j = 0; j < Rs; ++j) {
+          std::int64_t const i = j * W + w;
+          if (i >= static_cast<std::int64_t>(from.size())) break;
+          int const q = from[static_cast<std::size_t>(i)];
+          KOKKOSMOE_REQUIRE(q >= 0 && q < L, "planner: local slot " << q << " outside the static " << L << " experts");
+          if (per_expert[static_cast<std::size_t>(q)]++ < Rr)
+            ++kept_from[p];
+          else
+            ++receiver_drops;
+        }
+      }
+      StageLedger st{"wave " + std::to_string(w), "kmoe-ep"};
+      add_sends(st, useful, order, me, nor, l.row_bytes, 0);
+      StageLedger back{"wave " + std::to_string(w) + " (return)", "kmoe-ep"};
+      add_sends(back, kept_from, order, me, nor, l.combine_row_bytes, 0);
+      for (std::size_t p = 0; p < order.size(); ++p) {
+        int const g = order[p];
+        auto const cls = g == me ? LinkClass::same_rank
+                         : nor[static_cast<std::size_t>(g)] == nor[static_cast<std::size_t>(me)] ? LinkClass::intra_node
+                                                                                                  : LinkClass::inter_node;
+        st.padding_rows += Rs - useful[p];
+        st.header_rows += 1;
+        st.by_class[static_cast<int>(cls)].meta_bytes += l.row_bytes;
+        if (useful[p] == 0) st.by_class[static_cast<int>(cls)].messages += 1;
+        back.padding_rows += Rs - kept_from[p];
+        back.header_rows += 1;
+        back.by_class[static_cast<int>(cls)].meta_bytes += l.combine_row_bytes;
+        if (kept_from[p] == 0) back.by_class[static_cast<int>(cls)].messages += 1;
+      }
+      l.dispatch.stages.push_back(st);
+      l.combine.stages.push_back(back);
+    }
+    std::int64_t const A = static_cast<std::int64_t>(routes[static_cast<std::size_t>(me)].dest.size());
+    l.dispatch.sender_drops = sender_drops;
+    l.dispatch.receiver_drops = receiver_drops;
+    l.dispatch.useful_rows = (A - sender_drops) - receiver_drops;
+    l.combine.useful_rows = l.dispatch.useful_rows;
+  }
+  return out;
+}
+
+ByteLedger sum_ledgers(std::vector<ByteLedger> const& ledgers) {
+  KOKKOSMOE_REQUIRE(!ledgers.empty(), "sum_ledgers: no ledgers");
+  ByteLedger total = ledgers[0];
+  for (std::size_t i = 1; i < ledgers.size(); ++i) total.accumulate(ledgers[i]);
+  total.ranks = static_cast<int>(ledgers.size());
+  return total;
+}
+
+LedgerMaxima ledger_maxima(Topology::Topology const& topo, std::vector<ByteLedger> const& ledgers) {
+  LedgerMaxima m;
+  std::vector<std::int64_t> node_bytes(static_cast<std::size_t>(topo.num_nodes()), 0), node_msgs(node_bytes.size(), 0);
+  for (int r = 0; r < topo.size(); ++r) {
+    auto const& l = ledgers[static_cast<std::size_t>(r)];
+    auto const inter = l.dispatch.by_class(LinkClass::inter_node);
+    node_bytes[static_cast<std::size_t>(topo.node_of(r))] += inter.payload_bytes;
+    node_msgs[static_cast<std::size_t>(topo.node_of(r))] += inter.messages;
+    std::int64_t relay_inter = 0, relay_rows = l.dispatch.relay_rows();
+    for (auto const& s : l.dispatch.stages)
+      if (s.name == "relay to relay") {
+        relay_inter += s.by_class[static_cast<int>(LinkClass::inter_node)].payload_bytes;
+        relay_rows += s.total().rows;
+      }
+    if (relay_inter > m.relay_inter_bytes) {
+      m.relay_inter_bytes = relay_inter;
+      m.relay_inter_bytes_rank = r;
+    }
+    if (relay_rows > m.relay_rows) {
+      m.relay_rows = relay_rows;
+      m.relay_rows_rank = r;
+    }
+  }
+  for (int n = 0; n < topo.num_nodes(); ++n) {
+    if (node_bytes[static_cast<std::size_t>(n)] > m.node_inter_bytes || m.node_inter_bytes_node < 0) {
+      m.node_inter_bytes = node_bytes[static_cast<std::size_t>(n)];
+      m.node_inter_bytes_node = n;
+    }
+    m.node_inter_messages = std::max(m.node_inter_messages, node_msgs[static_cast<std::size_t>(n)]);
+  }
+  return m;
+}
+
+}  // namespace Exchange
+}  // namespace KokkosMoE
