@@ -304,6 +304,11 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
   d.text = text;
   std::vector<std::string> const algorithms = {"flat", "hierarchical", "pooled_wave"};
 
+  // [simulate]: a deck for a simulated cluster is checked against its rank count.
+  bool const sim = r.has("simulate.ranks");
+  int const ranks_for_layout = sim ? static_cast<int>(r.integer("simulate.ranks", 0, 1, 1 << 20)) : nranks;
+  d.simulate.ranks = sim ? ranks_for_layout : 0;
+
   // [run]
   d.run.steps = static_cast<int>(r.integer("run.steps", d.run.steps, 0, big));
   d.run.warmup = static_cast<int>(r.integer("run.warmup", d.run.warmup, 0, big));
@@ -417,9 +422,9 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
     d.tokens.ranks.push_back(std::move(rank));
   });
   if (d.tokens.source == "explicit") {
-    if (static_cast<int>(d.tokens.ranks.size()) != nranks)
+    if (static_cast<int>(d.tokens.ranks.size()) != ranks_for_layout)
       r.fail("tokens.rank", "explicit tokens are given for " + std::to_string(d.tokens.ranks.size()) + " ranks, the run has " +
-                                std::to_string(nranks));
+                                std::to_string(ranks_for_layout));
     for (std::size_t q = 0; q < d.tokens.ranks.size(); ++q) {
       auto const& rk = d.tokens.ranks[q];
       std::vector<int> seen(rk.hidden.size() * static_cast<std::size_t>(d.model.top_k), 0);
@@ -445,9 +450,6 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
   for (auto v : r.integers("topology.peer_order", 0, big)) d.topology.peer_order.push_back(static_cast<int>(v));
   d.topology.relays_per_node = static_cast<int>(r.integer("topology.relays_per_node", 1, 1, big));
   d.topology.relay_policy = r.choice("topology.relay_policy", "lowest_local_rank", {"lowest_local_rank", "nearest_nic"});
-  bool const sim = r.has("simulate.ranks");
-  int const ranks_for_layout = sim ? static_cast<int>(r.integer("simulate.ranks", 0, 1, 1 << 20)) : nranks;
-  d.simulate.ranks = sim ? ranks_for_layout : 0;
   if (d.topology.layout != "hwloc") {
     int const given = (d.topology.nodes > 0) + (d.topology.ranks_per_node > 0) + !d.topology.node_of_rank.empty();
     if (given > 1)
@@ -571,7 +573,7 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
       for (int e = 0; e < d.model.experts; ++e) check.expert_domain[static_cast<std::size_t>(e)] = e % std::max(1, rc.max_domains);
     }
     if (check.admission.policy == AdmissionPolicy::device_capacity) {
-      check.admission.num_devices = nranks;
+      check.admission.num_devices = ranks_for_layout;
       check.admission.expert_device.assign(static_cast<std::size_t>(d.model.experts), 0);
     }
     check.validate();
