@@ -1,0 +1,137 @@
+#!/usr/bin/python3
+"""Figures from a kmoe-layer run: stage time breakdown, ledger bars
+(same-rank / intra-node / inter-node bytes per algorithm), drops and expert
+load over steps.
+
+    scripts/plot_report.py reports/quickstart.json [--hdf5 reports/quickstart.h5] [--out reports/figures]
+
+Needs Debian's python3-matplotlib (and python3-h5py for the time series).
+Writes stage_breakdown.png, ledger_bytes.png and, with the HDF5 file,
+drops_and_load.png; prints the paths it wrote.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+STAGES = ["router", "route_plan", "pack", "dispatch", "experts", "combine_exchange", "exchange", "combine",
+          "shared_experts", "statistics", "other"]
+CLASSES = ["same_rank", "intra_node", "inter_node"]
+
+
+def fail(message):
+    print(f"plot_report.py: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def stage_breakdown(report, out):
+    algorithms = list(report["algorithms"].keys())
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(algorithms)
+    for stage in STAGES:
+        values = [1e3 * report["algorithms"][a]["stage_seconds"].get(stage, 0.0) for a in algorithms]
+        if not any(values):
+            continue
+        ax.bar(algorithms, values, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("ms per step (slowest rank per stage)")
+    ax.set_title(f"Stage times, {report['ranks']} ranks on {report['nodes']} nodes, "
+                 f"{report['tokens_per_rank']} tokens/rank")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = os.path.join(out, "stage_breakdown.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def ledger_bytes(report, out):
+    algorithms = list(report["algorithms"].keys())
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True)
+    for ax, direction in zip(axes, ["dispatch", "combine"]):
+        bottom = [0.0] * len(algorithms)
+        for cls in CLASSES:
+            values = [report["algorithms"][a]["ledger_last_step"][direction]["totals"][cls]["payload_bytes"] / 1e6
+                      for a in algorithms]
+            ax.bar(algorithms, values, bottom=bottom, label=cls)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        relay = [report["algorithms"][a]["ledger_last_step"][direction]["relay_bytes"] / 1e6 for a in algorithms]
+        ax.plot(algorithms, relay, "k^", label="relay bytes")
+        ax.set_title(f"{direction} payload (last step, all ranks)")
+        ax.set_ylabel("MB")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "ledger_bytes.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def drops_and_load(h5path, out):
+    try:
+        import h5py
+    except ImportError:
+        fail("reading the HDF5 time series needs python3-h5py")
+    with h5py.File(h5path, "r") as f:
+        steps = f["steps"]
+        drops = {}
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset) and name.endswith("dropped_routes"):
+                drops[name.replace("/dropped_routes", "").replace("dropped_routes", "run") or "run"] = obj[()]
+        steps.visititems(visit)
+        load = steps["expert_load"][()] if "expert_load" in steps else None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, series in sorted(drops.items()):
+        axes[0].plot(range(len(series)), series, marker="o", label=name)
+    axes[0].set_xlabel("measured step")
+    axes[0].set_ylabel("dropped routes (all ranks)")
+    axes[0].set_title("Drops per step")
+    axes[0].legend(fontsize=7)
+    if load is not None and load.size:
+        im = axes[1].imshow(load.T, aspect="auto", origin="lower", interpolation="nearest")
+        axes[1].set_xlabel("measured step")
+        axes[1].set_ylabel("logical expert")
+        axes[1].set_title("Routes per expert")
+        fig.colorbar(im, ax=axes[1])
+    fig.tight_layout()
+    path = os.path.join(out, "drops_and_load.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report", help="JSON report of kmoe-layer")
+    parser.add_argument("--hdf5", help="HDF5 time series of the same run (default: the report's name with .h5)")
+    parser.add_argument("--out", help="output directory (default: <report dir>/figures)")
+    args = parser.parse_args()
+    try:
+        with open(args.report) as f:
+            report = json.load(f)
+    except OSError as e:
+        fail(f"cannot read report '{args.report}': {e.strerror}")
+    except json.JSONDecodeError as e:
+        fail(f"report '{args.report}' is not JSON: {e}")
+    if "algorithms" not in report:
+        fail(f"report '{args.report}' has no 'algorithms' (is it a kmoe-layer report?)")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.report)), "figures")
+    os.makedirs(out, exist_ok=True)
+    written = [stage_breakdown(report, out), ledger_bytes(report, out)]
+    h5 = args.hdf5 or os.path.splitext(args.report)[0] + ".h5"
+    if os.path.exists(h5):
+        written.append(drops_and_load(h5, out))
+    elif args.hdf5:
+        fail(f"HDF5 file '{h5}' does not exist")
+    for p in written:
+        print(p)
+
+
+if __name__ == "__main__":
+    main()
