@@ -7,22 +7,20 @@
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Layer.hpp>
 
+#include "kmoe_app.hpp"
+
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
 
 #include <cstdio>
 
 int main(int argc, char* argv[]) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  {
-    Kokkos::ScopeGuard guard(argc, argv);
+  return kmoe_app::run(argc, argv, "kmoe-example", [&](int rank) {
     using namespace KokkosMoE;
     using Exec = Kokkos::DefaultExecutionSpace;
     using MS = Exec::memory_space;
-    int const rank = comm_rank(MPI_COMM_WORLD);
     int const size = comm_size(MPI_COMM_WORLD);
-    try {
+    {
       int const d = 64, experts = 4 * size, top_k = 2, ffn = 128, tokens = 32;
       // 1. Where every rank runs, and the expert-parallel communicators.
       auto topo = Topology::Topology::discover(MPI_COMM_WORLD);
@@ -63,11 +61,7 @@ int main(int argc, char* argv[]) {
                     "%.3f ms per forward on rank 0, |out|^2 on rank 0 = %.6g\n",
                     size, tokens, static_cast<long long>(rec.routes.accepted), static_cast<long long>(total.dispatch.useful_rows),
                     1e3 * rec.seconds.at("total"), sum);
-    } catch (std::exception const& e) {
-      std::fprintf(stderr, "kmoe-example (rank %d): %s\n", rank, e.what());
-      rc = 1;
     }
-  }
-  MPI_Finalize();
-  return rc;
+    return 0;
+  });
 }

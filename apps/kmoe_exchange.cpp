@@ -19,6 +19,8 @@
 #include <KokkosMoE_Report.hpp>
 #include <KokkosMoE_Version.hpp>
 
+#include "kmoe_app.hpp"
+
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
@@ -264,18 +266,7 @@ int run(LayerDeck const& deck, Options const& opt) {
   Kokkos::deep_copy(ht.accepted, table.accepted);
   auto hs = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), explicit_slot);
   auto const mine = rank_routes(deck, config, placement, rank, nodes[static_cast<std::size_t>(rank)], ht, hs);
-  std::string text;
-  for (std::size_t i = 0; i < mine.dest.size(); ++i) text += std::to_string(mine.dest[i]) + " " + std::to_string(mine.local_slot[i]) + " ";
-  auto const all = allgather_strings(world, text);
-  std::vector<Exchange::RankRoutes> routes(static_cast<std::size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    std::istringstream in(all[static_cast<std::size_t>(r)]);
-    int dst, q;
-    while (in >> dst >> q) {
-      routes[static_cast<std::size_t>(r)].dest.push_back(dst);
-      routes[static_cast<std::size_t>(r)].local_slot.push_back(q);
-    }
-  }
+  auto const routes = Exchange::allgather_routes(world, mine);
   Exchange::PlanFormat fmt{deck.model.payload, deck.model.return_payload, deck.model.hidden};
 
   std::vector<std::string> algorithms = opt.algorithms;
@@ -361,13 +352,9 @@ int run(LayerDeck const& deck, Options const& opt) {
 }  // namespace
 
 int main(int argc, char* argv[]) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  {
-    Kokkos::ScopeGuard guard(argc, argv);
-    int const rank = comm_rank(MPI_COMM_WORLD);
+  Options opt;
+  return kmoe_app::run(argc, argv, "kmoe-exchange", [&](int rank) {
     CLI::App app{"kmoe-exchange: exchange ledgers of a topology and routing from a TOML deck"};
-    Options opt;
     app.add_option("deck", opt.deck, "TOML input deck (see inputs/README.md)")->required();
     app.add_option("--algorithms", opt.algorithms, "algorithms to run (default: all three)")
         ->delimiter(',')
@@ -375,32 +362,13 @@ int main(int argc, char* argv[]) {
     app.add_flag("--simulate", opt.simulate, "plan a cluster of [simulate] ranks in this process (no data moves, no time)");
     app.add_option("--reps", opt.reps, "runs per algorithm, best reported (default [run] steps)")->check(CLI::NonNegativeNumber);
     app.add_option("--report", opt.report, "JSON report path (overrides [run] report)");
-    try {
-      app.parse(argc, argv);
-    } catch (CLI::ParseError const& e) {
-      rc = rank == 0 ? app.exit(e) : (e.get_exit_code() != 0 ? 2 : 0);
-    }
-    if (rc == 0 && !opt.deck.empty()) {
-      try {
-        // A simulated deck is parsed for its simulated rank count.
-        auto const deck = read_layer_deck(MPI_COMM_WORLD, opt.deck);
-        if (opt.simulate) {
-          collective(MPI_COMM_WORLD, "simulate mode", [&] {
-            KOKKOSMOE_REQUIRE(deck.simulate.ranks > 0, opt.deck << ": --simulate needs [simulate] ranks in the deck");
-          });
-        } else {
-          collective(MPI_COMM_WORLD, "deck", [&] {
-            KOKKOSMOE_REQUIRE(deck.simulate.ranks == 0, opt.deck << ": [simulate] ranks is only read with --simulate");
-          });
-        }
-        if (rank == 0) std::cout << build_summary() << "\n" << deck.resolved() << std::flush;
-        rc = opt.simulate ? simulate(deck, opt) : run(deck, opt);
-      } catch (std::exception const& e) {
-        std::fprintf(stderr, "kmoe-exchange (rank %d): %s\n", rank, e.what());
-        rc = 1;
-      }
-    }
-  }
-  MPI_Finalize();
-  return rc;
+    if (int const rc = kmoe_app::parse(app, argc, argv, rank); rc >= 0) return rc;
+    auto const deck = read_layer_deck(MPI_COMM_WORLD, opt.deck);
+    collective(MPI_COMM_WORLD, "deck", [&] {
+      KOKKOSMOE_REQUIRE(!opt.simulate || deck.simulate.ranks > 0, opt.deck << ": --simulate needs [simulate] ranks in the deck");
+      KOKKOSMOE_REQUIRE(opt.simulate || deck.simulate.ranks == 0, opt.deck << ": [simulate] ranks is only read with --simulate");
+    });
+    if (rank == 0) std::cout << build_summary() << "\n" << deck.resolved() << std::flush;
+    return opt.simulate ? simulate(deck, opt) : run(deck, opt);
+  });
 }

@@ -15,6 +15,8 @@
 #include <KokkosMoE_Report.hpp>
 #include <KokkosMoE_Version.hpp>
 
+#include "kmoe_app.hpp"
+
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
@@ -329,13 +331,9 @@ int run_typed(LayerDeck const& deck, Options const& opt) {
 }  // namespace
 
 int main(int argc, char* argv[]) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  {
-    Kokkos::ScopeGuard guard(argc, argv);
-    int const rank = comm_rank(MPI_COMM_WORLD);
+  Options opt;
+  return kmoe_app::run(argc, argv, "kmoe-layer", [&](int rank) {
     CLI::App app{"kmoe-layer: steps of an MoE layer from a TOML deck"};
-    Options opt;
     app.add_option("deck", opt.deck, "TOML input deck (see inputs/README.md)")->required();
     app.add_option("--steps", opt.steps, "measured steps (overrides [run] steps)")->check(CLI::NonNegativeNumber);
     app.add_option("--warmup", opt.warmup, "warmup steps (overrides [run] warmup)")->check(CLI::NonNegativeNumber);
@@ -344,26 +342,13 @@ int main(int argc, char* argv[]) {
     app.add_option("--algorithm", opt.algorithm, "exchange algorithm (overrides [exchange] algorithm)")
         ->check(CLI::IsMember({"flat", "hierarchical", "pooled_wave"}));
     app.add_flag("--print-output", opt.print_output, "print every rank's output rows after the last step");
-    try {
-      app.parse(argc, argv);
-    } catch (CLI::ParseError const& e) {
-      rc = rank == 0 ? app.exit(e) : (e.get_exit_code() != 0 ? 2 : 0);
+    if (int const rc = kmoe_app::parse(app, argc, argv, rank); rc >= 0) return rc;
+    auto const deck = read_layer_deck(MPI_COMM_WORLD, opt.deck);
+    if (rank == 0) {
+      std::cout << build_summary() << "\n";
+      print_kokkos_configuration(std::cout);
+      std::cout << deck.resolved() << std::flush;
     }
-    if (rc == 0 && !app.get_subcommands().size() && !opt.deck.empty()) {
-      try {
-        auto const deck = read_layer_deck(MPI_COMM_WORLD, opt.deck);
-        if (rank == 0) {
-          std::cout << build_summary() << "\n";
-          print_kokkos_configuration(std::cout);
-          std::cout << deck.resolved() << std::flush;
-        }
-        rc = deck.model.dtype == "bf16" ? run_typed<bf16_t>(deck, opt) : run_typed<float>(deck, opt);
-      } catch (std::exception const& e) {
-        std::fprintf(stderr, "kmoe-layer (rank %d): %s\n", rank, e.what());
-        rc = 1;
-      }
-    }
-  }
-  MPI_Finalize();
-  return rc;
+    return deck.model.dtype == "bf16" ? run_typed<bf16_t>(deck, opt) : run_typed<float>(deck, opt);
+  });
 }

@@ -16,6 +16,8 @@
 #include <KokkosMoE_Report.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
 
+#include "kmoe_app.hpp"
+
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
@@ -24,12 +26,8 @@
 #include <iostream>
 
 int main(int argc, char* argv[]) {
-  MPI_Init(&argc, &argv);
-  int rc = 0;
-  {
-    Kokkos::ScopeGuard guard(argc, argv);
-    using namespace KokkosMoE;
-    int const rank = comm_rank(MPI_COMM_WORLD);
+  using namespace KokkosMoE;
+  return kmoe_app::run(argc, argv, "kmoe-topo", [&](int rank) {
     CLI::App app{"kmoe-topo: ranks, nodes, relays and peer slots"};
     std::string deck_path, layout = "hwloc", synthetic, xml, json_path, export_path, relay_policy = "lowest_local_rank";
     int ranks_per_node = 0, relays = 1;
@@ -45,57 +43,45 @@ int main(int argc, char* argv[]) {
     app.add_option("--relay-policy", relay_policy, "lowest_local_rank or nearest_nic")->check(CLI::IsMember({"lowest_local_rank", "nearest_nic"}));
     app.add_option("--json", json_path, "write the table as JSON");
     app.add_option("--export-xml", export_path, "write this node's hwloc XML (rank 0)");
-    try {
-      app.parse(argc, argv);
-    } catch (CLI::ParseError const& e) {
-      rc = rank == 0 ? app.exit(e) : (e.get_exit_code() != 0 ? 2 : 0);
+    if (int const rc = kmoe_app::parse(app, argc, argv, rank); rc >= 0) return rc;
+    Topology::LayoutSpec spec;
+    Topology::CommSpec cspec;
+    if (!deck_path.empty()) {
+      auto const deck = read_layer_deck(MPI_COMM_WORLD, deck_path);
+      spec = Setup::layout_spec(deck);
+      cspec = Setup::comm_spec(deck);
+    } else {
+      spec.kind = Topology::layout_kind_from_string(layout);
+      spec.ranks_per_node = ranks_per_node;
+      spec.node_of_rank = node_of_rank;
+      spec.synthetic = synthetic;
+      spec.xml_file = xml;
+      if (spec.kind != Topology::LayoutKind::hwloc && ranks_per_node == 0 && node_of_rank.empty())
+        spec.ranks_per_node = comm_size(MPI_COMM_WORLD);
+      cspec.peer_order = peer_order;
+      cspec.relays_per_node = relays;
+      cspec.relay_policy = Topology::relay_policy_from_string(relay_policy);
     }
-    if (rc == 0) {
-      try {
-        Topology::LayoutSpec spec;
-        Topology::CommSpec cspec;
-        if (!deck_path.empty()) {
-          auto const deck = read_layer_deck(MPI_COMM_WORLD, deck_path);
-          spec = Setup::layout_spec(deck);
-          cspec = Setup::comm_spec(deck);
-        } else {
-          spec.kind = Topology::layout_kind_from_string(layout);
-          spec.ranks_per_node = ranks_per_node;
-          spec.node_of_rank = node_of_rank;
-          spec.synthetic = synthetic;
-          spec.xml_file = xml;
-          if (spec.kind != Topology::LayoutKind::hwloc && ranks_per_node == 0 && node_of_rank.empty())
-            spec.ranks_per_node = comm_size(MPI_COMM_WORLD);
-          cspec.peer_order = peer_order;
-          cspec.relays_per_node = relays;
-          cspec.relay_policy = Topology::relay_policy_from_string(relay_policy);
-        }
-        auto topo = Topology::Topology::discover(MPI_COMM_WORLD, spec);
-        Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, cspec);
-        collective(MPI_COMM_WORLD, "writing the topology", [&] {
-          if (rank != 0) return;
-          auto const& hw = topo.node_hardware(0);
-          std::cout << Topology::to_string(topo.kind()) << " layout: " << topo.size() << " ranks on " << topo.num_nodes()
-                    << " node(s); node 0: " << hw.packages << " package(s), " << hw.numa_nodes << " NUMA node(s), " << hw.cores
-                    << " cores, " << hw.pus << " PUs, " << hw.gpus.size() << " GPU(s), " << hw.nics.size() << " NIC(s) ["
-                    << hw.source << "]; " << comms.layout().relays_per_node << " relay(s) per node, communicator epoch "
-                    << comms.epoch() << "\n"
-                    << comms.table() << std::flush;
-          if (!json_path.empty()) {
-            write_text_file(json_path, comms.to_json(2) + "\n");
-            std::cout << "json: " << json_path << "\n";
-          }
-          if (!export_path.empty()) {
-            Topology::export_hwloc_xml(spec, export_path);
-            std::cout << "hwloc xml: " << export_path << "\n";
-          }
-        });
-      } catch (std::exception const& e) {
-        std::fprintf(stderr, "kmoe-topo (rank %d): %s\n", rank, e.what());
-        rc = 1;
+    auto topo = Topology::Topology::discover(MPI_COMM_WORLD, spec);
+    Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, cspec);
+    collective(MPI_COMM_WORLD, "writing the topology", [&] {
+      if (rank != 0) return;
+      auto const& hw = topo.node_hardware(0);
+      std::cout << Topology::to_string(topo.kind()) << " layout: " << topo.size() << " ranks on " << topo.num_nodes()
+                << " node(s); node 0: " << hw.packages << " package(s), " << hw.numa_nodes << " NUMA node(s), " << hw.cores
+                << " cores, " << hw.pus << " PUs, " << hw.gpus.size() << " GPU(s), " << hw.nics.size() << " NIC(s) ["
+                << hw.source << "]; " << comms.layout().relays_per_node << " relay(s) per node, communicator epoch "
+                << comms.epoch() << "\n"
+                << comms.table() << std::flush;
+      if (!json_path.empty()) {
+        write_text_file(json_path, comms.to_json(2) + "\n");
+        std::cout << "json: " << json_path << "\n";
       }
-    }
-  }
-  MPI_Finalize();
-  return rc;
+      if (!export_path.empty()) {
+        Topology::export_hwloc_xml(spec, export_path);
+        std::cout << "hwloc xml: " << export_path << "\n";
+      }
+    });
+    return 0;
+  });
 }

@@ -20,6 +20,8 @@
 #include <impl/KokkosMoE_CountingSort.hpp>
 #include <impl/KokkosMoE_Exchange_Common.hpp>
 
+#include <tuple>
+
 namespace KokkosMoE {
 namespace Exchange {
 
@@ -98,14 +100,8 @@ class HierarchicalExchange {
     auto s1 = sort_stage(exec, key1, Pn, "gather to relay + node-local direct");
     s1.comm = 1;
     s1.input_rows = n0;
-    auto [s1_rows, s1_meta] = permuted(exec, send, meta, s1.send_perm, n0, "s1_send");
-    auto agreed1 = agree_counts(node, s1.send_counts, n0, nullptr, "hierarchical dispatch stage 1 counts", options_);
-    s1.recv_counts = agreed1.recv;
-    index_t const r1 = total(s1.recv_counts);
-    auto s1_recv = work_.payload(exec, "s1_recv", send.type, send.width, r1);
-    auto s1_recv_meta = work_.meta(exec, "s1_recv_meta", r1);
-    transport_.alltoallv(exec, node, {RowSet<MemorySpace>{s1_rows.bytes, s1_recv.bytes}, RowSet<MemorySpace>{as_rows(s1_meta), as_rows(s1_recv_meta)}},
-                   s1.send_counts, s1.recv_counts, "hierarchical dispatch stage 1 rows", options_);
+    auto [s1_recv, s1_recv_meta] = move_rows(exec, node, s1, send, meta, n0, "s1", "hierarchical dispatch stage 1");
+    index_t const r1 = s1_recv.rows();
     {
       StageLedger st{s1.name, node.name()};
       add_sends(st, s1.send_counts, node.peer_order(), me, nor, send.row_bytes(), sizeof(RowMeta));
@@ -161,14 +157,8 @@ class HierarchicalExchange {
       StageLedger st{s2.name, relay ? comms.relay().name() : std::string("-")};
       if (relay) {
         auto const& rc = comms.relay();
-        auto [s2_rows, s2_meta] = permuted(exec, s1_recv, s1_recv_meta, s2.send_perm, transit_out, "s2_send");
-        auto agreed2 = agree_counts(rc, s2.send_counts, transit_out, nullptr, "hierarchical dispatch stage 2 counts", options_);
-        s2.recv_counts = agreed2.recv;
-        index_t const r2 = total(s2.recv_counts);
-        s2_recv = work_.payload(exec, "s2_recv", send.type, send.width, r2);
-        s2_recv_meta = work_.meta(exec, "s2_recv_meta", r2);
-        transport_.alltoallv(exec, rc, {RowSet<MemorySpace>{s2_rows.bytes, s2_recv.bytes}, RowSet<MemorySpace>{as_rows(s2_meta), as_rows(s2_recv_meta)}},
-                       s2.send_counts, s2.recv_counts, "hierarchical dispatch stage 2 rows", options_);
+        std::tie(s2_recv, s2_recv_meta) =
+            move_rows(exec, rc, s2, s1_recv, s1_recv_meta, transit_out, "s2", "hierarchical dispatch stage 2");
         add_sends(st, s2.send_counts, rc.peer_order(), me, nor, send.row_bytes(), sizeof(RowMeta));
       }
       st.seconds = lap();
@@ -195,14 +185,8 @@ class HierarchicalExchange {
     auto s3 = sort_stage(exec, key3, Pn, "relay scatter");
     s3.comm = 1;
     s3.input_rows = n3;
-    auto [s3_rows, s3_meta] = permuted(exec, s2_recv, s2_recv_meta, s3.send_perm, n3, "s3_send");
-    auto agreed3 = agree_counts(node, s3.send_counts, n3, nullptr, "hierarchical dispatch stage 3 counts", options_);
-    s3.recv_counts = agreed3.recv;
-    index_t const r3 = total(s3.recv_counts);
-    auto s3_recv = work_.payload(exec, "s3_recv", send.type, send.width, r3);
-    auto s3_recv_meta = work_.meta(exec, "s3_recv_meta", r3);
-    transport_.alltoallv(exec, node, {RowSet<MemorySpace>{s3_rows.bytes, s3_recv.bytes}, RowSet<MemorySpace>{as_rows(s3_meta), as_rows(s3_recv_meta)}},
-                   s3.send_counts, s3.recv_counts, "hierarchical dispatch stage 3 rows", options_);
+    auto [s3_recv, s3_recv_meta] = move_rows(exec, node, s3, s2_recv, s2_recv_meta, n3, "s3", "hierarchical dispatch stage 3");
+    index_t const r3 = s3_recv.rows();
     {
       StageLedger st{s3.name, node.name()};
       add_sends(st, s3.send_counts, node.peer_order(), me, nor, send.row_bytes(), sizeof(RowMeta));
@@ -408,6 +392,23 @@ class HierarchicalExchange {
     Impl::gather_meta(exec, meta, KOKKOS_LAMBDA(index_t p)->index_t { return perm(p); }, out_meta,
                       "KokkosMoE::HierarchicalExchange::permute_meta");
     return {out, out_meta};
+  }
+
+  /// One dispatch stage's transport: the first `count` rows of the stage's
+  /// sorted order (rows and metadata) go to their peers of comm after the
+  /// counts are agreed; returns what arrived and records the receive counts.
+  template <class Exec>
+  std::pair<PayloadBuffer<MemorySpace>, Kokkos::View<RowMeta*, MemorySpace>> move_rows(
+      Exec const& exec, Topology::Communicator const& comm, StageRecord<MemorySpace>& stage, PayloadBuffer<MemorySpace> const& rows,
+      Kokkos::View<RowMeta*, MemorySpace> const& meta, index_t count, std::string const& key, std::string const& what) {
+    auto [out, out_meta] = permuted(exec, rows, meta, stage.send_perm, count, key + "_send");
+    stage.recv_counts = agree_counts(comm, stage.send_counts, count, nullptr, (what + " counts").c_str(), options_).recv;
+    index_t const n = total(stage.recv_counts);
+    auto recv = work_.payload(exec, key + "_recv", rows.type, rows.width, n);
+    auto recv_meta = work_.meta(exec, key + "_recv_meta", n);
+    transport_.alltoallv(exec, comm, {RowSet<MemorySpace>{out.bytes, recv.bytes}, RowSet<MemorySpace>{as_rows(out_meta), as_rows(recv_meta)}},
+                         stage.send_counts, stage.recv_counts, (what + " rows").c_str(), options_);
+    return {recv, recv_meta};
   }
 
   static PayloadBuffer<MemorySpace> prefix(PayloadBuffer<MemorySpace> const& b, index_t n) {

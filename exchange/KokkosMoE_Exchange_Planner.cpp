@@ -1,3 +1,4 @@
+#include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
 
@@ -242,6 +243,27 @@ std::vector<ByteLedger> plan_pooled_wave(Topology::Topology const& topo, Topolog
     l.combine.useful_rows = l.dispatch.useful_rows;
   }
   return out;
+}
+
+std::vector<RankRoutes> allgather_routes(MPI_Comm comm, RankRoutes const& mine) {
+  KOKKOSMOE_REQUIRE(mine.dest.size() == mine.local_slot.size(),
+                    "allgather_routes: " << mine.dest.size() << " destinations and " << mine.local_slot.size() << " slots");
+  int const size = comm_size(comm);
+  int n = static_cast<int>(mine.dest.size());
+  std::vector<int> counts(static_cast<std::size_t>(size)), displs(static_cast<std::size_t>(size) + 1, 0);
+  KOKKOSMOE_MPI_CHECK(MPI_Allgather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, comm), comm);
+  for (int r = 0; r < size; ++r) displs[static_cast<std::size_t>(r) + 1] = displs[static_cast<std::size_t>(r)] + counts[static_cast<std::size_t>(r)];
+  std::vector<int> dest(static_cast<std::size_t>(displs.back())), slot(dest.size());
+  KOKKOSMOE_MPI_CHECK(MPI_Allgatherv(mine.dest.data(), n, MPI_INT, dest.data(), counts.data(), displs.data(), MPI_INT, comm), comm);
+  KOKKOSMOE_MPI_CHECK(MPI_Allgatherv(mine.local_slot.data(), n, MPI_INT, slot.data(), counts.data(), displs.data(), MPI_INT, comm), comm);
+  std::vector<RankRoutes> all(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    auto const b = dest.begin() + displs[static_cast<std::size_t>(r)], e = dest.begin() + displs[static_cast<std::size_t>(r) + 1];
+    all[static_cast<std::size_t>(r)].dest.assign(b, e);
+    all[static_cast<std::size_t>(r)].local_slot.assign(slot.begin() + displs[static_cast<std::size_t>(r)],
+                                                      slot.begin() + displs[static_cast<std::size_t>(r) + 1]);
+  }
+  return all;
 }
 
 ByteLedger sum_ledgers(std::vector<ByteLedger> const& ledgers) {

@@ -12,6 +12,8 @@
 #include <KokkosMoE_Exchange_PooledWave.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
 
+#include <mpi.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -24,6 +26,10 @@ struct RankRoutes {
   std::vector<int> dest;
   std::vector<int> local_slot;
 };
+
+/// \brief Collective over comm: every rank's routes, on every rank (index =
+/// rank in comm).
+std::vector<RankRoutes> allgather_routes(MPI_Comm comm, RankRoutes const& mine);
 
 /// \brief Row formats of a planned exchange.
 struct PlanFormat {

@@ -516,19 +516,12 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
     auto rp = make_route_plan(exec, table, dp, choice, rank);
     auto dest = to_host_vector(rp.dest_rank);
     auto slot = to_host_vector(rp.slot);
-    std::string mine;
-    for (std::size_t i = 0; i < dest.size(); ++i)
-      mine += std::to_string(dest[i]) + " " + std::to_string(placement.local_index(slot[i])) + " ";
-    auto const all = allgather_strings(MPI_COMM_WORLD, mine);
-    std::vector<RankRoutes> rr(static_cast<std::size_t>(size));
-    for (int r = 0; r < size; ++r) {
-      std::istringstream in(all[static_cast<std::size_t>(r)]);
-      int d, q;
-      while (in >> d >> q) {
-        rr[static_cast<std::size_t>(r)].dest.push_back(d);
-        rr[static_cast<std::size_t>(r)].local_slot.push_back(q);
-      }
+    RankRoutes mine;
+    for (std::size_t i = 0; i < dest.size(); ++i) {
+      mine.dest.push_back(dest[i]);
+      mine.local_slot.push_back(placement.local_index(slot[i]));
     }
+    auto const rr = allgather_routes(MPI_COMM_WORLD, mine);
     for (int R : {1, rpn >= 2 ? 2 : 1}) {
       Topology::CommSpec spec;
       spec.relays_per_node = R;
