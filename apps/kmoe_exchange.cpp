@@ -226,16 +226,12 @@ int run(LayerDeck const& deck, Options const& opt) {
   int const rank = comm_rank(world);
   int const size = comm_size(world);
   Exec exec;
-  auto topo = Topology::Topology::discover(world, Setup::layout_spec(deck));
-  Topology::CommunicatorSet comms(world, topo, Setup::comm_spec(deck));
-  std::vector<int> nodes(static_cast<std::size_t>(size));
-  for (int r = 0; r < size; ++r) nodes[static_cast<std::size_t>(r)] = topo.node_of(r);
-  Placement placement;
-  LayerConfig config;
-  collective(world, "placement", [&] {
-    placement = Setup::make_placement(deck, nodes, world);
-    config = Setup::layer_config(deck, placement);
-  });
+  auto setup = Setup::make_run(deck, world);
+  auto const& topo = setup.topology;
+  auto const& comms = *setup.comms;
+  auto const& nodes = setup.node_of_rank;
+  auto const& placement = setup.placement;
+  auto const& config = setup.config;
   index_t const T = Setup::tokens_per_rank(deck);
   index_t const first = Setup::first_token(deck, rank);
   // Routes: the deck's distribution, or its router on seeded hidden rows.

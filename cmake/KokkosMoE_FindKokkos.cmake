@@ -73,10 +73,18 @@ if(NOT DEFINED KokkosMoE_ENABLE_KOKKOSKERNELS)
 endif()
 set(KokkosMoE_HAVE_KOKKOSKERNELS OFF)
 if(NOT KokkosMoE_ENABLE_KOKKOSKERNELS STREQUAL "OFF")
+  # A standalone Kokkos: look for Kokkos Kernels in the same install prefix
+  # first, before any system copy (e.g. Debian's Trilinos one).
+  set(_kmoe_kk_hints)
+  if(KokkosMoE_KOKKOS_FLAVOR STREQUAL "standalone" AND Kokkos_DIR)
+    get_filename_component(_kmoe_kk_cmakedir "${Kokkos_DIR}/.." ABSOLUTE)
+    get_filename_component(_kmoe_kk_prefix "${Kokkos_DIR}/../../.." ABSOLUTE)
+    set(_kmoe_kk_hints HINTS "${_kmoe_kk_cmakedir}" "${_kmoe_kk_prefix}")
+  endif()
   if(KokkosMoE_ENABLE_KOKKOSKERNELS STREQUAL "ON")
-    find_package(KokkosKernels REQUIRED)
+    find_package(KokkosKernels REQUIRED ${_kmoe_kk_hints})
   else()
-    find_package(KokkosKernels QUIET)
+    find_package(KokkosKernels QUIET ${_kmoe_kk_hints})
   endif()
   # Kokkos Kernels must come from the same distribution as Kokkos: a
   # standalone Kokkos takes Kokkos::kokkoskernels, Trilinos' Kokkos takes the

@@ -58,13 +58,7 @@ class HierarchicalExchange {
     auto const& node = comms.node_local();
     int const me = comms.global_rank();
     auto const nor = Impl::node_of_rank(comms);
-    Kokkos::Timer timer;
-    auto lap = [&] {
-      Compat::fence(exec, "KokkosMoE::HierarchicalExchange: stage");
-      double const t = timer.seconds();
-      timer.reset();
-      return t;
-    };
+    Impl::Lap<Exec> lap(exec);
     DispatchHandle<MemorySpace> h;
     h.algorithm = name;
     h.generation = placement.generation();
@@ -252,13 +246,7 @@ class HierarchicalExchange {
     auto const& node = comms.node_local();
     int const me = comms.global_rank();
     auto const nor = Impl::node_of_rank(comms);
-    Kokkos::Timer timer;
-    auto lap = [&] {
-      Compat::fence(exec, "KokkosMoE::HierarchicalExchange: stage");
-      double const t = timer.seconds();
-      timer.reset();
-      return t;
-    };
+    Impl::Lap<Exec> lap(exec);
     agree_or_throw(comms.ep(),
                    local_problem.empty() ? Impl::handle_problem(comms, h, name, back.rows(), registry_, last_generation_) : local_problem,
                    "hierarchical combine", options_);

@@ -2,7 +2,7 @@
 #include <KokkosMoE_Deck.hpp>
 #include <KokkosMoE_Error.hpp>
 
-#include <toml++/toml.h>
+#include <impl/KokkosMoE_DeckReader.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -21,233 +21,8 @@ namespace {
 constexpr std::int64_t big = std::numeric_limits<std::int32_t>::max();
 constexpr double huge = 1e300;
 
-/// Reads typed values out of a TOML table, remembers which keys were read,
-/// and reports everything else as unknown. Every error names file, line,
-/// column and the dotted key.
-class Reader {
- public:
-  Reader(std::string path, toml::table const& table, std::string prefix = {})
-      : path_(std::move(path)), table_(&table), prefix_(std::move(prefix)) {}
-
-  std::string const& path() const { return path_; }
-
-  std::string full(std::string const& key) const { return prefix_.empty() ? key : prefix_ + "." + key; }
-
-  toml::node const* node(std::string const& key) const {
-    auto const dot = key.find('.');
-    if (dot == std::string::npos) return table_->get(key);
-    auto const* sub = table_->get(key.substr(0, dot));
-    if (!sub || !sub->is_table()) return nullptr;
-    return sub->as_table()->get(key.substr(dot + 1));
-  }
-
-  bool has(std::string const& key) const { return node(key) != nullptr; }
-
-  /// "file:line:column" of a key (or of its table, or the file).
-  std::string where(std::string const& key) const {
-    toml::node const* n = node(key);
-    if (!n) {
-      auto const dot = key.find('.');
-      if (dot != std::string::npos) n = table_->get(key.substr(0, dot));
-    }
-    std::ostringstream os;
-    os << path_;
-    if (n && n->source().begin.line > 0) os << ":" << n->source().begin.line << ":" << n->source().begin.column;
-    else if (table_->source().begin.line > 0)
-      os << ":" << table_->source().begin.line << ":" << table_->source().begin.column;
-    return os.str();
-  }
-
-  [[noreturn]] void fail(std::string const& key, std::string const& problem) const {
-    KOKKOSMOE_THROW(where(key) << ": key '" << full(key) << "': " << problem);
-  }
-
-  static char const* type_name(toml::node const& n) {
-    switch (n.type()) {
-      case toml::node_type::string: return "a string";
-      case toml::node_type::integer: return "an integer";
-      case toml::node_type::floating_point: return "a float";
-      case toml::node_type::boolean: return "a boolean";
-      case toml::node_type::array: return "an array";
-      case toml::node_type::table: return "a table";
-      default: return "a date/time";
-    }
-  }
-
-  std::int64_t integer(std::string const& key, std::int64_t def, std::int64_t lo, std::int64_t hi) {
-    used_.insert(key);
-    auto const* n = node(key);
-    if (!n) return def;
-    if (!n->is_integer()) fail(key, std::string("expected an integer, got ") + type_name(*n));
-    std::int64_t const v = n->as_integer()->get();
-    if (v < lo || v > hi) {
-      std::ostringstream os;
-      os << "= " << v << " is out of range";
-      if (hi >= big)
-        os << " (must be >= " << lo << ")";
-      else
-        os << " [" << lo << ", " << hi << "]";
-      fail(key, os.str());
-    }
-    return v;
-  }
-
-  double real(std::string const& key, double def, double lo, double hi, bool lo_open = false) {
-    used_.insert(key);
-    auto const* n = node(key);
-    if (!n) return def;
-    double v;
-    if (n->is_floating_point())
-      v = n->as_floating_point()->get();
-    else if (n->is_integer())
-      v = static_cast<double>(n->as_integer()->get());
-    else
-      fail(key, std::string("expected a number, got ") + type_name(*n));
-    if (!std::isfinite(v)) fail(key, "must be finite");
-    if (lo_open && !(v > lo)) {
-      std::ostringstream os;
-      os << "= " << v << " is out of range (must be > " << lo << ")";
-      fail(key, os.str());
-    }
-    check_range(key, v, lo, hi);
-    return v;
-  }
-
-  bool boolean(std::string const& key, bool def) {
-    used_.insert(key);
-    auto const* n = node(key);
-    if (!n) return def;
-    if (!n->is_boolean()) fail(key, std::string("expected a boolean, got ") + type_name(*n));
-    return n->as_boolean()->get();
-  }
-
-  std::string string(std::string const& key, std::string const& def) {
-    used_.insert(key);
-    auto const* n = node(key);
-    if (!n) return def;
-    if (!n->is_string()) fail(key, std::string("expected a string, got ") + type_name(*n));
-    return n->as_string()->get();
-  }
-
-  std::string choice(std::string const& key, std::string const& def, std::vector<std::string> const& choices) {
-    std::string const v = string(key, def);
-    if (std::find(choices.begin(), choices.end(), v) == choices.end()) {
-      std::ostringstream os;
-      os << "'" << v << "' is not one of";
-      for (auto const& c : choices) os << " '" << c << "'";
-      fail(key, os.str());
-    }
-    return v;
-  }
-
-  toml::array const* array(std::string const& key) {
-    used_.insert(key);
-    auto const* n = node(key);
-    if (!n) return nullptr;
-    if (!n->is_array()) fail(key, std::string("expected an array, got ") + type_name(*n));
-    return n->as_array();
-  }
-
-  std::vector<std::int64_t> integers(std::string const& key, std::int64_t lo, std::int64_t hi) {
-    std::vector<std::int64_t> out;
-    if (auto const* a = array(key)) {
-      for (std::size_t i = 0; i < a->size(); ++i) {
-        auto const& e = *a->get(i);
-        if (!e.is_integer()) fail(key, "element " + std::to_string(i) + ": expected an integer, got " + type_name(e));
-        std::int64_t const v = e.as_integer()->get();
-        if (v < lo || v > hi)
-          fail(key, "element " + std::to_string(i) + " = " + std::to_string(v) + " is out of range [" + std::to_string(lo) +
-                        ", " + std::to_string(hi) + "]");
-        out.push_back(v);
-      }
-    }
-    return out;
-  }
-
-  std::vector<double> reals(std::string const& key, double lo, double hi) {
-    std::vector<double> out;
-    if (auto const* a = array(key)) {
-      for (std::size_t i = 0; i < a->size(); ++i) {
-        auto const& e = *a->get(i);
-        double v;
-        if (e.is_floating_point())
-          v = e.as_floating_point()->get();
-        else if (e.is_integer())
-          v = static_cast<double>(e.as_integer()->get());
-        else
-          fail(key, "element " + std::to_string(i) + ": expected a number, got " + type_name(e));
-        if (!std::isfinite(v) || v < lo || v > hi) {
-          std::ostringstream os;
-          os << "element " << i << " = " << v << " is out of range [" << lo << ", " << hi << "]";
-          fail(key, os.str());
-        }
-        out.push_back(v);
-      }
-    }
-    return out;
-  }
-
-  std::vector<std::string> strings(std::string const& key) {
-    std::vector<std::string> out;
-    if (auto const* a = array(key)) {
-      for (std::size_t i = 0; i < a->size(); ++i) {
-        auto const& e = *a->get(i);
-        if (!e.is_string()) fail(key, "element " + std::to_string(i) + ": expected a string, got " + type_name(e));
-        out.push_back(e.as_string()->get());
-      }
-    }
-    return out;
-  }
-
-  /// Runs f on a Reader for every table of an array of tables.
-  void tables(std::string const& key, std::function<void(Reader&, std::size_t)> const& f) {
-    if (auto const* a = array(key)) {
-      for (std::size_t i = 0; i < a->size(); ++i) {
-        auto const& e = *a->get(i);
-        if (!e.is_table()) fail(key, "element " + std::to_string(i) + ": expected a table, got " + type_name(e));
-        Reader sub(path_, *e.as_table(), full(key) + "[" + std::to_string(i) + "]");
-        f(sub, i);
-        sub.finish();
-      }
-    }
-  }
-
-  /// Every key of the table (and of its sub-tables) must have been read.
-  void finish() const { check_unused(*table_, ""); }
-
- private:
-  void check_range(std::string const& key, double v, double lo, double hi) const {
-    if (v < lo || v > hi) {
-      std::ostringstream os;
-      os << "= " << v << " is out of range";
-      if (hi >= 1e300)
-        os << " (must be >= " << lo << ")";
-      else
-        os << " [" << lo << ", " << hi << "]";
-      fail(key, os.str());
-    }
-  }
-
-  void check_unused(toml::table const& t, std::string const& at) const {
-    for (auto const& kv : t) {
-      std::string const key = at.empty() ? std::string(kv.first.str()) : at + "." + std::string(kv.first.str());
-      if (used_.count(key)) continue;
-      if (kv.second.is_table() && at.empty()) {
-        check_unused(*kv.second.as_table(), key);
-        continue;
-      }
-      std::ostringstream os;
-      os << path_;
-      if (kv.first.source().begin.line > 0) os << ":" << kv.first.source().begin.line << ":" << kv.first.source().begin.column;
-      KOKKOSMOE_THROW(os.str() << ": unknown key '" << full(key) << "'");
-    }
-  }
-
-  std::string path_;
-  toml::table const* table_;
-  std::string prefix_;
-  std::set<std::string> used_;
-};
+/// Typed, located reads out of the deck (TOML kept out of this file).
+using Reader = Impl::DeckReader;
 
 
 PayloadType payload_of(Reader& r, std::string const& key, std::string const& def, bool allow_fp8) {
@@ -291,14 +66,7 @@ std::string quoted_list(std::vector<std::string> const& v) {
 
 LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int nranks) {
   KOKKOSMOE_REQUIRE(nranks >= 1, "deck '" << path << "': a run needs at least one rank");
-  toml::table root;
-  try {
-    root = toml::parse(text, path);
-  } catch (toml::parse_error const& e) {
-    KOKKOSMOE_THROW(path << ":" << e.source().begin.line << ":" << e.source().begin.column << ": TOML syntax error: "
-                         << e.description());
-  }
-  Reader r(path, root);
+  Reader r = Reader::parse(path, text);
   LayerDeck d;
   d.path = path;
   d.text = text;
@@ -393,22 +161,14 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
   d.tokens.hot_fraction = r.real("tokens.hot_fraction", 0.5, 0.0, 1.0);
   r.tables("tokens.rank", [&](Reader& t, std::size_t i) {
     DeckRankTokens rank;
-    if (auto const* rows = t.array("hidden")) {
-      for (std::size_t row = 0; row < rows->size(); ++row) {
-        auto const& e = *rows->get(row);
-        if (!e.is_array()) t.fail("hidden", "row " + std::to_string(row) + ": expected an array of numbers");
-        std::vector<float> v;
-        for (std::size_t c = 0; c < e.as_array()->size(); ++c) {
-          auto const& x = *e.as_array()->get(c);
-          if (!x.is_number()) t.fail("hidden", "row " + std::to_string(row) + " element " + std::to_string(c) + ": expected a number");
-          v.push_back(static_cast<float>(x.is_integer() ? static_cast<double>(x.as_integer()->get()) : x.as_floating_point()->get()));
-        }
-        if (static_cast<int>(v.size()) != d.model.hidden)
-          t.fail("hidden", "row " + std::to_string(row) + " has " + std::to_string(v.size()) + " values, model.hidden is " +
-                               std::to_string(d.model.hidden));
-        rank.hidden.push_back(v);
-      }
-    }
+    t.number_rows("hidden", [&](std::size_t row, std::vector<double> const& values) {
+      std::vector<float> v;
+      for (double const x : values) v.push_back(static_cast<float>(x));
+      if (static_cast<int>(v.size()) != d.model.hidden)
+        t.fail("hidden", "row " + std::to_string(row) + " has " + std::to_string(v.size()) + " values, model.hidden is " +
+                             std::to_string(d.model.hidden));
+      rank.hidden.push_back(v);
+    });
     t.tables("routes", [&](Reader& rt, std::size_t) {
       DeckRoute route;
       route.token = static_cast<int>(rt.integer("token", 0, 0, static_cast<std::int64_t>(rank.hidden.size()) - 1));

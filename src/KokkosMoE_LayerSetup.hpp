@@ -134,6 +134,31 @@ inline LayerConfig layer_config(LayerDeck const& d, Placement const& placement) 
   return c;
 }
 
+/// \brief The distributed objects of a run: topology, communicator set,
+/// node of every rank, placement and layer configuration.
+struct Run {
+  Topology::Topology topology;
+  std::unique_ptr<Topology::CommunicatorSet> comms;
+  std::vector<int> node_of_rank;
+  Placement placement;
+  LayerConfig config;
+};
+
+/// \brief Collective over comm: discovers (or declares) the deck's topology,
+/// builds the communicator set, the placement and the layer configuration.
+/// Errors reach every rank.
+inline Run make_run(LayerDeck const& deck, MPI_Comm comm) {
+  Run run;
+  run.topology = Topology::Topology::discover(comm, layout_spec(deck));
+  run.comms = std::make_unique<Topology::CommunicatorSet>(comm, run.topology, comm_spec(deck));
+  for (int r = 0; r < run.topology.size(); ++r) run.node_of_rank.push_back(run.topology.node_of(r));
+  collective(comm, "placement and layer configuration", [&] {
+    run.placement = make_placement(deck, run.node_of_rank, comm);
+    run.config = layer_config(deck, run.placement);
+  });
+  return run;
+}
+
 /// \brief [E, d] router weight: element (e, c) = (2u - 1) / sqrt(d), u from (seed, e, c).
 template <class T, class MS>
 RowMatrix<T, MS> router_weight(LayerDeck const& d) {

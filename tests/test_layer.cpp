@@ -39,13 +39,10 @@ template <class T>
 std::vector<float> forward_once(LayerDeck const& deck, MPI_Comm comm, index_t first, index_t count, index_t static_tokens) {
   Exec exec;
   int const rank = comm_rank(comm);
-  int const size = comm_size(comm);
-  auto topo = Topology::Topology::discover(comm, Setup::layout_spec(deck));
-  Topology::CommunicatorSet comms(comm, topo, Setup::comm_spec(deck));
-  std::vector<int> nodes(static_cast<std::size_t>(size));
-  for (int r = 0; r < size; ++r) nodes[static_cast<std::size_t>(r)] = topo.node_of(r);
-  auto placement = Setup::make_placement(deck, nodes, comm);
-  auto config = Setup::layer_config(deck, placement);
+  auto setup = Setup::make_run(deck, comm);
+  auto const& comms = *setup.comms;
+  auto const& placement = setup.placement;
+  auto config = setup.config;
   config.tokens_per_rank = static_tokens;
   auto rw = Setup::router_weight<T, MS>(deck);
   auto routed = Setup::routed_weights<T, MS>(exec, deck, placement, rank, comm);
@@ -110,12 +107,10 @@ TEST_CASE("the layer rejects bad inputs on every rank without a hang", "[layer][
   int const rank = kmoe_test::world_rank();
   auto const deck = parse_layer_deck("layer-test", deck_text("fp32", "fp32", "flat", size), size);
   Exec exec;
-  auto topo = Topology::Topology::discover(MPI_COMM_WORLD, Setup::layout_spec(deck));
-  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Setup::comm_spec(deck));
-  std::vector<int> nodes(static_cast<std::size_t>(size));
-  for (int r = 0; r < size; ++r) nodes[static_cast<std::size_t>(r)] = topo.node_of(r);
-  auto placement = Setup::make_placement(deck, nodes, MPI_COMM_WORLD);
-  auto config = Setup::layer_config(deck, placement);
+  auto setup = Setup::make_run(deck, MPI_COMM_WORLD);
+  auto const& comms = *setup.comms;
+  auto const& placement = setup.placement;
+  auto const& config = setup.config;
   auto rw = Setup::router_weight<float, MS>(deck);
   auto routed = Setup::routed_weights<float, MS>(exec, deck, placement, rank, MPI_COMM_WORLD);
   MoELayer<float, Exec, MS> layer(config, comms, placement, rw, routed);

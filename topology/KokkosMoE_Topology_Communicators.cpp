@@ -297,8 +297,8 @@ std::string CommunicatorSet::table() const {
     os << std::left << std::setw(5) << r << std::setw(18) << rec.host.substr(0, 17) << std::setw(5) << node
        << std::setw(6) << rec.local_rank << std::setw(5) << rec.numa << std::setw(12) << cores << std::setw(10)
        << (rec.gpu.empty() ? "-" : rec.gpu) << std::setw(10) << (rec.nic.empty() ? "-" : rec.nic) << std::setw(7)
-       << (rail >= 0 ? "r" + std::to_string(rail) : std::string("-")) << std::setw(8) << ep_slot << std::setw(10)
-       << node_slot << (rail >= 0 ? std::to_string(node) : std::string("-")) << "\n";
+       << (rail >= 0 ? std::string("r").append(std::to_string(rail)) : std::string("-")) << std::setw(8) << ep_slot
+       << std::setw(10) << node_slot << (rail >= 0 ? std::to_string(node) : std::string("-")) << "\n";
   }
   return os.str();
 }

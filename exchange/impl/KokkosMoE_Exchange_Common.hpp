@@ -61,6 +61,24 @@ class Workspace {
   std::map<std::string, Kokkos::View<RowMeta*, MS>> meta_;
 };
 
+/// Stage stopwatch: lap() fences the instance and returns the seconds since
+/// the previous lap (or construction).
+template <class Exec>
+class Lap {
+ public:
+  explicit Lap(Exec const& exec) : exec_(exec) {}
+  double operator()() {
+    Compat::fence(exec_, "KokkosMoE::Exchange: stage end");
+    double const t = timer_.seconds();
+    timer_.reset();
+    return t;
+  }
+
+ private:
+  Exec exec_;
+  Kokkos::Timer timer_;
+};
+
 inline std::vector<index_t> offsets_of(std::vector<index_t> const& counts) {
   std::vector<index_t> off(counts.size() + 1, 0);
   for (std::size_t i = 0; i < counts.size(); ++i) off[i + 1] = off[i] + counts[i];
