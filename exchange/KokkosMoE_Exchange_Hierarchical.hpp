@@ -345,7 +345,8 @@ class HierarchicalExchange {
 
   Topology::CommunicatorSet const& communicators() const { return *comms_; }
 
- private:
+  // Implementation helpers. They are public only because CUDA forbids
+  // extended device lambdas inside private member functions.
   static index_t total(std::vector<index_t> const& v) {
     index_t t = 0;
     for (auto x : v) t += x;
@@ -423,6 +424,7 @@ class HierarchicalExchange {
     return t;
   }
 
+ private:
   Topology::CommunicatorSet const* comms_;
   TransportOptions options_;
   PlacementRegistry const* registry_;

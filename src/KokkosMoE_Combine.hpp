@@ -11,6 +11,7 @@
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_PayloadBuffer.hpp>
 #include <KokkosMoE_RoutePlan.hpp>
+#include <impl/KokkosMoE_HostRows.hpp>
 
 namespace KokkosMoE {
 
@@ -61,6 +62,7 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
   using policy_t = Kokkos::TeamPolicy<Exec>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename Exec::scratch_memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+  static_assert(std::is_same<T, float>::value || std::is_same<T, bf16_t>::value, "combine writes float or bf16_t rows");
   constexpr bool direct = std::is_same<T, float>::value;
   std::size_t const bytes = direct ? 0 : scratch_t::shmem_size(static_cast<std::size_t>(d));
   int const level = bytes > 32768 ? 1 : 0;
@@ -69,13 +71,35 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
   Kokkos::parallel_for(label, policy, KOKKOS_LAMBDA(member_t const& team) {
     index_t const t = team.league_rank();
     float* acc;
-    if constexpr (direct) {
+    // A plain if: CUDA lambdas may not first-capture inside if constexpr.
+    if (direct) {
       acc = reinterpret_cast<float*>(&out(t, 0));
     } else {
       acc = scratch_t(team.team_scratch(level), d).data();
     }
 #if !KOKKOSMOE_DEVICE_PASS
-    // Host: one thread per team; contiguous loops over the row.
+    // Host: one thread per team; bf16/fp32 rows go through the ISA-dispatched
+    // row kernel (same bits as the loops below, k rows streamed together).
+    constexpr int max_k = 64;
+    if ((type == PayloadType::bf16 || type == PayloadType::fp32) && k <= max_k) {
+      unsigned char const* src[max_k];
+      unsigned char const* next[max_k];
+      float wt[max_k];
+      int n = 0, n_next = 0;
+      for (int j = 0; j < k; ++j) {
+        index_t const a = route_index(t, j);
+        if (a < 0) continue;
+        src[n] = &rows(inv(a), 0);
+        wt[n++] = use_gate ? gate(a) : 1.0f;
+      }
+      for (int j = 0; t + 1 < n_tokens && j < k; ++j) {
+        index_t const a = route_index(t + 1, j);
+        if (a >= 0) next[n_next++] = &rows(inv(a), 0);
+      }
+      if (direct) host_weighted_rows(type, src, wt, n, d, reinterpret_cast<float*>(&out(t, 0)), nullptr, next, n_next);
+      else host_weighted_rows(type, src, wt, n, d, nullptr, reinterpret_cast<std::uint16_t*>(&out(t, 0)), next, n_next);
+      return;
+    }
     for (int c = 0; c < d; ++c) acc[c] = 0.0f;
     for (int j = 0; j < k; ++j) {
       index_t const a = route_index(t, j);

@@ -191,7 +191,9 @@ class MoELayer {
   /// \brief The last route table (from forward()).
   RouteTable<MemorySpace> const& routes() const { return table_; }
 
- private:
+  // Implementation steps of forward(). They are public only because CUDA
+  // forbids extended device lambdas inside private member functions; they are
+  // not part of the interface.
   void forward_routes(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RouteTable<MemorySpace> const& table,
                       RowMatrix<T, MemorySpace> const& out, StepRecord& rec, std::optional<ExchangeAlgorithm> algorithm,
                       Kokkos::View<int**, Kokkos::LayoutRight, MemorySpace> const& explicit_slot = {}) {
@@ -372,6 +374,7 @@ class MoELayer {
     return *pooled_;
   }
 
+ private:
   LayerConfig config_;
   Topology::CommunicatorSet const* comms_;
   Placement placement_;

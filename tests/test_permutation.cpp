@@ -397,6 +397,14 @@ TEST_CASE("random plans: inverses, conservation, direct agreement, reproducibili
         }
         CHECK(std::fabs(got[i] - want[i]) <= bound * 2.0f * 0.00390625f + 1e-6f);
       }
+      // bf16 output: the FP32 sum rounded once to bf16.
+      RowMatrix<bf16_t, MS> out_b("out16b", routes[r].tokens, rc.d);
+      combine(Exec(), s.routes, s.dispatch, s.returned, out_b);
+      auto got_b = to_host_vector(out_b);
+      REQUIRE(got_b.size() == got.size());
+      std::size_t mismatched = 0;
+      for (std::size_t i = 0; i < got.size(); ++i) mismatched += got_b[i].bits != to_bf16(got[i]).bits ? 1 : 0;
+      CHECK(mismatched == 0);
     }
   }
 }

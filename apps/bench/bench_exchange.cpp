@@ -71,25 +71,7 @@ int run(int argc, char** argv) {
   Placement placement = Placement::round_robin(experts, size, node_of);
 
   RouteTable<MS> table("bench::table", tokens, top_k, experts);
-  {
-    auto e = Kokkos::create_mirror_view(table.expert);
-    auto g = Kokkos::create_mirror_view(table.gate);
-    auto a = Kokkos::create_mirror_view(table.accepted);
-    std::mt19937 rng(7u + static_cast<unsigned>(rank));
-    std::vector<int> ids(static_cast<std::size_t>(experts));
-    for (int t = 0; t < tokens; ++t) {
-      std::iota(ids.begin(), ids.end(), 0);
-      for (int j = 0; j < top_k; ++j) {
-        std::swap(ids[static_cast<std::size_t>(j)], ids[static_cast<std::size_t>(j + static_cast<int>(rng() % static_cast<unsigned>(experts - j)))]);
-        e(t, j) = ids[static_cast<std::size_t>(j)];
-        g(t, j) = 1.0f / static_cast<float>(top_k);
-        a(t, j) = 1;
-      }
-    }
-    Kokkos::deep_copy(table.expert, e);
-    Kokkos::deep_copy(table.gate, g);
-    Kokkos::deep_copy(table.accepted, a);
-  }
+  kmoe_bench::fill_uniform_routes(table, 7u + static_cast<unsigned>(rank));
   auto dp = make_device_placement<MS>(placement);
   auto choice = make_replica_choice<MS>(placement, rank, node_of[rank]);
   auto routes = make_route_plan(exec, table, dp, choice, rank);

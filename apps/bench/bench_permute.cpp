@@ -41,25 +41,7 @@ int run(int argc, char** argv) {
   Exec exec;
   // Uniform routing: k distinct experts per token from a seeded generator.
   RouteTable<MS> table("bench::table", tokens, top_k, experts);
-  {
-    auto e = Kokkos::create_mirror_view(table.expert);
-    auto g = Kokkos::create_mirror_view(table.gate);
-    auto a = Kokkos::create_mirror_view(table.accepted);
-    std::mt19937 rng(42);
-    std::vector<int> ids(static_cast<std::size_t>(experts));
-    for (int t = 0; t < tokens; ++t) {
-      std::iota(ids.begin(), ids.end(), 0);
-      for (int j = 0; j < top_k; ++j) {
-        std::swap(ids[static_cast<std::size_t>(j)], ids[static_cast<std::size_t>(j + static_cast<int>(rng() % static_cast<unsigned>(experts - j)))]);
-        e(t, j) = ids[static_cast<std::size_t>(j)];
-        g(t, j) = 1.0f / static_cast<float>(top_k);
-        a(t, j) = 1;
-      }
-    }
-    Kokkos::deep_copy(table.expert, e);
-    Kokkos::deep_copy(table.gate, g);
-    Kokkos::deep_copy(table.accepted, a);
-  }
+  kmoe_bench::fill_uniform_routes(table, 42u);
   Placement placement = Placement::round_robin(experts, peers);
   auto dp = make_device_placement<MS>(placement);
   auto choice = make_replica_choice<MS>(placement, 0, -1);
@@ -75,9 +57,10 @@ int run(int argc, char** argv) {
 
   double pack_s = 0, combine_s = 0;
   std::int64_t pack_bytes = 0, combine_bytes = 0;
-  if (type == PayloadType::bf16) {
-    RowMatrix<bf16_t, MS> hidden("bench::hidden", tokens, width), out("bench::out", tokens, width);
-    Kokkos::deep_copy(hidden, bf16_t{0x3F80});
+  auto measure = [&](auto one) {
+    using T = decltype(one);
+    RowMatrix<T, MS> hidden("bench::hidden", tokens, width), out("bench::out", tokens, width);
+    Kokkos::deep_copy(hidden, one);
     pack_s = kmoe_bench::median_seconds(1, reps, [&] {
       pack(exec, routes, plan, hidden, send, meta);
       exec.fence();
@@ -87,21 +70,10 @@ int run(int argc, char** argv) {
       exec.fence();
     });
     pack_bytes = 2 * A * row_bytes + A * static_cast<std::int64_t>(sizeof(RowMeta));
-    combine_bytes = A * row_bytes + static_cast<std::int64_t>(tokens) * width * 2;
-  } else {
-    RowMatrix<float, MS> hidden("bench::hidden", tokens, width), out("bench::out", tokens, width);
-    Kokkos::deep_copy(hidden, 1.0f);
-    pack_s = kmoe_bench::median_seconds(1, reps, [&] {
-      pack(exec, routes, plan, hidden, send, meta);
-      exec.fence();
-    });
-    combine_s = kmoe_bench::median_seconds(1, reps, [&] {
-      combine(exec, routes, plan, send, out);
-      exec.fence();
-    });
-    pack_bytes = 2 * A * row_bytes + A * static_cast<std::int64_t>(sizeof(RowMeta));
-    combine_bytes = A * row_bytes + static_cast<std::int64_t>(tokens) * width * 4;
-  }
+    combine_bytes = A * row_bytes + static_cast<std::int64_t>(tokens) * width * static_cast<std::int64_t>(sizeof(T));
+  };
+  if (type == PayloadType::bf16) measure(bf16_t{0x3F80});
+  else measure(1.0f);
 
   // memcpy moving the same bytes (half read, half written) in the same run.
   auto memcpy_gbps = [&](std::int64_t traffic) {

@@ -8,10 +8,15 @@
 // where the baseline is measured in the same run. Times are medians of
 // repeated runs after warmup, each fenced on the execution space instance.
 
+#include <KokkosMoE_Types.hpp>
+
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
 
+#include <algorithm>
 #include <functional>
+#include <numeric>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +55,33 @@ int set_blas_threads(int threads);
 
 /// Threads of the default host execution space.
 int host_threads();
+
+/// Uniform routing: k distinct experts per token drawn from a generator seeded
+/// with `seed`, gates 1/k, every route accepted.
+template <class MemorySpace>
+void fill_uniform_routes(KokkosMoE::RouteTable<MemorySpace> const& table, unsigned seed) {
+  auto e = Kokkos::create_mirror_view(table.expert);
+  auto g = Kokkos::create_mirror_view(table.gate);
+  auto a = Kokkos::create_mirror_view(table.accepted);
+  int const tokens = static_cast<int>(table.expert.extent(0));
+  int const top_k = static_cast<int>(table.expert.extent(1));
+  int const experts = static_cast<int>(table.expert_counts.extent(0));
+  std::mt19937 rng(seed);
+  std::vector<int> ids(static_cast<std::size_t>(experts));
+  for (int t = 0; t < tokens; ++t) {
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int j = 0; j < top_k; ++j) {
+      int const pick = j + static_cast<int>(rng() % static_cast<unsigned>(experts - j));
+      std::swap(ids[static_cast<std::size_t>(j)], ids[static_cast<std::size_t>(pick)]);
+      e(t, j) = ids[static_cast<std::size_t>(j)];
+      g(t, j) = 1.0f / static_cast<float>(top_k);
+      a(t, j) = 1;
+    }
+  }
+  Kokkos::deep_copy(table.expert, e);
+  Kokkos::deep_copy(table.gate, g);
+  Kokkos::deep_copy(table.accepted, a);
+}
 
 }  // namespace kmoe_bench
 
