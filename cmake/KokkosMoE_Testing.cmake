@@ -50,6 +50,7 @@ function(kokkosmoe_register_mpi_command name nranks)
     PROCESSORS ${nranks}
     TIMEOUT ${timeout}
     LABELS "${labels}"
+    SKIP_RETURN_CODE 77
     ENVIRONMENT "${KOKKOSMOE_TEST_ENVIRONMENT}")
   if(ARG_PASS_REGULAR_EXPRESSION)
     set_tests_properties(${name} PROPERTIES PASS_REGULAR_EXPRESSION "${ARG_PASS_REGULAR_EXPRESSION}")

@@ -107,6 +107,8 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
       axpy_row(acc, &rows(inv(a), 0), type, use_gate ? gate(a) : 1.0f, d);
     }
 #else
+    // Both compiler passes of a CUDA lambda must capture the same variables.
+    (void)n_tokens;
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](int c) { acc[c] = 0.0f; });
     for (int j = 0; j < k; ++j) {
       index_t const a = route_index(t, j);

@@ -22,7 +22,9 @@
 
 /// \brief 1 while compiling device code (CUDA/HIP/SYCL device pass), 0 on
 /// host passes: host-only fast paths inside KOKKOS_INLINE_FUNCTIONs use
-/// `#if !KOKKOSMOE_DEVICE_PASS` (Kokkos 3.4 has no KOKKOS_IF_ON_HOST).
+/// `#if !KOKKOSMOE_DEVICE_PASS` (Kokkos 3.4 has no KOKKOS_IF_ON_HOST). Inside
+/// a lambda both branches must name the same captured variables: nvcc requires
+/// the host and device passes to agree on the capture list.
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__) || defined(__SYCL_DEVICE_ONLY__)
 #define KOKKOSMOE_DEVICE_PASS 1
 #else

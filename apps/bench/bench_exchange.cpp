@@ -1,7 +1,8 @@
 // kmoe-bench exchange: dispatch + combine time of the flat, hierarchical and
 // pooled-wave exchanges next to a raw MPI_Alltoallv moving the same bytes in
 // the same run (per-peer byte counts identical to the flat exchange: rows
-// plus metadata out, rows back). Times are the slowest rank's, median of reps.
+// plus metadata out, rows back). Times are the slowest rank's, medians of
+// reps that alternate each algorithm with the baseline.
 
 #include "kmoe_bench_common.hpp"
 
@@ -28,20 +29,38 @@ double slowest(double s) {
   return m;
 }
 
+/// One fenced call of f, timed as the slowest rank sees it.
 template <class F>
-double timed(int reps, F&& f) {
-  return kmoe_bench::median_seconds(1, reps, [&] {
-    MPI_Barrier(MPI_COMM_WORLD);
-    Kokkos::Timer t;
-    f();
-    double const mine = t.seconds();
-    (void)slowest(mine);
-  });
+double once(F&& f) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  Kokkos::Timer t;
+  f();
+  return slowest(t.seconds());
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  std::size_t const n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Medians of ours and of the baseline, alternated rep by rep after one
+/// warmup each, so that drift in the machine's load hits both alike.
+template <class F, class G>
+std::pair<double, double> timed_pair(int reps, F&& ours, G&& baseline) {
+  once(ours);
+  once(baseline);
+  std::vector<double> a, b;
+  for (int r = 0; r < reps; ++r) {
+    a.push_back(once(ours));
+    b.push_back(once(baseline));
+  }
+  return {median(a), median(b)};
 }
 
 int run(int argc, char** argv) {
   CLI::App app{"exchange algorithms next to MPI_Alltoallv"};
-  int tokens = 4096, top_k = 8, width = 2048, experts = 64, reps = 5, waves = 4;
+  int tokens = 4096, top_k = 8, width = 2048, experts = 64, reps = 7, waves = 4;
   double sender_cf = 1.25, receiver_cf = 1.5;
   app.add_option("--tokens", tokens, "tokens per rank")->check(CLI::NonNegativeNumber);
   app.add_option("--top-k", top_k, "routes per token")->check(CLI::PositiveNumber);
@@ -104,14 +123,16 @@ int run(int argc, char** argv) {
   bytes_for(recv_rows, rb, sc_c, sd_c);
   bytes_for(plan.counts, rb, rc_c, rd_c);
   std::vector<unsigned char> a_out(static_cast<std::size_t>(out_d), 1), a_in(static_cast<std::size_t>(in_d));
-  double const alltoallv_s = timed(reps, [&] {
+  // Raw MPI_Alltoallv moving the same bytes: rows + metadata out, rows back.
+  auto alltoallv = [&] {
     MPI_Alltoallv(a_out.data(), sc_d.data(), sd_d.data(), MPI_BYTE, a_in.data(), rc_d.data(), rd_d.data(), MPI_BYTE, comms.ep().comm());
     MPI_Alltoallv(a_in.data(), sc_c.data(), sd_c.data(), MPI_BYTE, a_out.data(), rc_c.data(), rd_c.data(), MPI_BYTE, comms.ep().comm());
-  });
+  };
 
   std::string const shape = "T" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_d" + std::to_string(width) + "_E" +
                             std::to_string(experts);
-  auto report = [&](char const* algo, double s, Exchange::ByteLedger const& ledger) {
+  auto report = [&](char const* algo, std::pair<double, double> times, Exchange::ByteLedger const& ledger) {
+    double const s = times.first, alltoallv_s = times.second;
     auto const total = ledger.reduced(MPI_COMM_WORLD);
     kmoe_bench::print_bench(std::string("exchange_") + algo + "_np" + std::to_string(size),
                             {{"s", kmoe_bench::fmt(s)}, {"alltoallv_s", kmoe_bench::fmt(alltoallv_s)}, {"dtype", "bf16"},
@@ -124,22 +145,22 @@ int run(int argc, char** argv) {
   {
     Exchange::FlatExchange<> flat(comms);
     Exchange::ByteLedger ledger;
-    double const s = timed(reps, [&] {
+    auto const times = timed_pair(reps, [&] {
       auto h = flat.dispatch(exec, placement, plan, send, meta);
       auto back = flat.combine(exec, h, h.arrived);
       ledger = h.ledger;
-    });
-    report("flat", s, ledger);
+    }, alltoallv);
+    report("flat", times, ledger);
   }
   {
     Exchange::HierarchicalExchange<> hier(comms);
     Exchange::ByteLedger ledger;
-    double const s = timed(reps, [&] {
+    auto const times = timed_pair(reps, [&] {
       auto h = hier.dispatch(exec, placement, plan, send, meta);
       auto back = hier.combine(exec, h, h.arrived);
       ledger = h.ledger;
-    });
-    report("hierarchical", s, ledger);
+    }, alltoallv);
+    report("hierarchical", times, ledger);
   }
   {
     Exchange::PooledWaveConfig pc;
@@ -156,11 +177,11 @@ int run(int argc, char** argv) {
     Exchange::WaveExpertFn<MS> identity = [](PayloadBuffer<MS> const& x, std::vector<index_t> const&,
                                              Kokkos::View<index_t*, MS> const&) { return x; };
     Exchange::ByteLedger ledger;
-    double const s = timed(reps, [&] {
+    auto const times = timed_pair(reps, [&] {
       auto res = pooled.forward(exec, placement, routes, plan, hidden, PayloadType::bf16, PayloadType::bf16, identity);
       ledger = res.ledger;
-    });
-    report("pooled_wave", s, ledger);
+    }, alltoallv);
+    report("pooled_wave", times, ledger);
   }
   return 0;
 }
