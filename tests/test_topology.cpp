@@ -76,7 +76,7 @@ void check_set(CommunicatorSet const& set) {
 }  // namespace
 
 TEST_CASE("hwloc discovery: every rank agrees on hosts and node ids", "[topology][hwloc]") {
-  auto const topo = Topology::Topology::discover(MPI_COMM_WORLD);
+  auto const topo = KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD);
   int const size = kmoe_test::world_size();
   REQUIRE(topo.size() == size);
   // The JSON record is identical on every rank.
@@ -100,7 +100,7 @@ TEST_CASE("hwloc discovery: every rank agrees on hosts and node ids", "[topology
 TEST_CASE("virtual layouts: 2-rank nodes, node-major order, one relay per node", "[topology][virtual]") {
   int const size = kmoe_test::world_size();
   int const rpn = size % 2 == 0 ? 2 : 1;
-  auto topo = Topology::Topology::discover(MPI_COMM_WORLD, virtual_rpn(rpn));
+  auto topo = KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD, virtual_rpn(rpn));
   REQUIRE(topo.num_nodes() == size / rpn);
   CommunicatorSet set(MPI_COMM_WORLD, topo, CommSpec{});
   check_set(set);
@@ -117,13 +117,13 @@ TEST_CASE("virtual layouts: 2-rank nodes, node-major order, one relay per node",
 
 TEST_CASE("virtual layouts 2x2, 4x2, uneven 3+1 and rail relays (simulated)", "[topology][virtual]") {
   SECTION("2x2") {
-    auto t = Topology::Topology::simulated(4, virtual_rpn(2));
+    auto t = KokkosMoE::Topology::Topology::simulated(4, virtual_rpn(2));
     auto L = make_comm_layout(t, CommSpec{});
     CHECK(L.node_groups == std::vector<std::vector<int>>{{0, 1}, {2, 3}});
     CHECK(L.relay_groups == std::vector<std::vector<int>>{{0, 2}});
   }
   SECTION("4x2 with rail relays R = 2") {
-    auto t = Topology::Topology::simulated(8, virtual_rpn(2));
+    auto t = KokkosMoE::Topology::Topology::simulated(8, virtual_rpn(2));
     CommSpec spec;
     spec.relays_per_node = 2;
     auto L = make_comm_layout(t, spec);
@@ -138,7 +138,7 @@ TEST_CASE("virtual layouts 2x2, 4x2, uneven 3+1 and rail relays (simulated)", "[
     LayoutSpec s;
     s.kind = LayoutKind::virtual_nodes;
     s.node_of_rank = {0, 0, 0, 1};
-    auto t = Topology::Topology::simulated(4, s);
+    auto t = KokkosMoE::Topology::Topology::simulated(4, s);
     CHECK(t.ranks_of_node(0) == std::vector<int>{0, 1, 2});
     CHECK(t.min_ranks_per_node() == 1);
     auto L = make_comm_layout(t, CommSpec{});
@@ -149,7 +149,7 @@ TEST_CASE("virtual layouts 2x2, 4x2, uneven 3+1 and rail relays (simulated)", "[
     CHECK_THROWS_WITH(make_comm_layout(t, two), Catch::Matchers::Contains("more than the 1 ranks of the smallest node"));
   }
   SECTION("1024 simulated ranks on 128 nodes, 8 rails") {
-    auto t = Topology::Topology::simulated(1024, virtual_rpn(8));
+    auto t = KokkosMoE::Topology::Topology::simulated(1024, virtual_rpn(8));
     CommSpec spec;
     spec.relays_per_node = 8;
     auto L = make_comm_layout(t, spec);
@@ -172,7 +172,7 @@ TEST_CASE("explicit peer order [2, 0, 3, 1]: split vectors of dispatch_v17", "[t
   LayoutSpec s;
   s.kind = LayoutKind::virtual_nodes;
   s.nodes = {{0, 1}, {2, 3}};
-  auto topo = Topology::Topology::discover(MPI_COMM_WORLD, s);
+  auto topo = KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD, s);
   CommSpec spec;
   spec.peer_order = order;
   CommunicatorSet set(MPI_COMM_WORLD, topo, spec);
@@ -195,7 +195,7 @@ TEST_CASE("explicit peer order [2, 0, 3, 1]: split vectors of dispatch_v17", "[t
 TEST_CASE("rail relays on real communicators", "[topology][rail]") {
   int const size = kmoe_test::world_size();
   if (size % 2 != 0) return;
-  auto topo = Topology::Topology::discover(MPI_COMM_WORLD, virtual_rpn(2));
+  auto topo = KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD, virtual_rpn(2));
   CommSpec spec;
   spec.relays_per_node = 2;
   CommunicatorSet set(MPI_COMM_WORLD, topo, spec);
@@ -211,7 +211,7 @@ TEST_CASE("synthetic topologies: hwloc XML with GPUs and NICs, synthetic descrip
   s.xml_file = kmoe_test::data_path("topology/two_packages_4numa_4gpu_2nic.xml");
   int const size = kmoe_test::world_size();
   s.ranks_per_node = size >= 4 && size % 4 == 0 ? 4 : size;
-  auto topo = Topology::Topology::discover(MPI_COMM_WORLD, s);
+  auto topo = KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD, s);
   auto const& hw = topo.node_hardware(0);
   CHECK(hw.packages == 2);
   CHECK(hw.numa_nodes == 4);
@@ -251,7 +251,7 @@ TEST_CASE("synthetic topologies: hwloc XML with GPUs and NICs, synthetic descrip
   d.kind = LayoutKind::synthetic;
   d.synthetic = "pack:2 numa:2 core:4 pu:2";
   d.ranks_per_node = 1;
-  auto t2 = Topology::Topology::simulated(3, d);
+  auto t2 = KokkosMoE::Topology::Topology::simulated(3, d);
   CHECK(t2.num_nodes() == 3);
   CHECK(t2.node_hardware(2).packages == 2);
   CHECK(t2.node_hardware(2).numa_nodes == 4);
@@ -269,7 +269,7 @@ TEST_CASE("validation errors reach every rank", "[topology][validation]") {
     std::vector<int> all(static_cast<std::size_t>(size));
     std::iota(all.begin(), all.end(), 0);
     s.nodes = {all, {size - 1}};
-    expect_collective_error([&] { Topology::Topology::discover(MPI_COMM_WORLD, s); },
+    expect_collective_error([&] { KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD, s); },
                             "rank " + std::to_string(size - 1) + " is in two nodes");
   }
   SECTION("a bad synthetic description") {
@@ -277,11 +277,11 @@ TEST_CASE("validation errors reach every rank", "[topology][validation]") {
     s.kind = LayoutKind::synthetic;
     s.synthetic = "pack:2 bogus:7";
     s.ranks_per_node = size;
-    expect_collective_error([&] { Topology::Topology::discover(MPI_COMM_WORLD, s); }, "cannot parse the synthetic");
+    expect_collective_error([&] { KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD, s); }, "cannot parse the synthetic");
   }
 
   auto const rpn = size >= 2 && size % 2 == 0 ? 2 : size;
-  auto topo = Topology::Topology::discover(MPI_COMM_WORLD, virtual_rpn(rpn));
+  auto topo = KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD, virtual_rpn(rpn));
   auto const good = make_comm_layout(topo, CommSpec{});
 
   SECTION("peer order of the wrong size") {
