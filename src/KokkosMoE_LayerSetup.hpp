@@ -10,6 +10,7 @@
 /// distributed run with a single-rank one.
 
 #include <KokkosMoE_Admission.hpp>
+#include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Deck.hpp>
 #include <KokkosMoE_Eplb.hpp>
 #include <KokkosMoE_Layer.hpp>
@@ -17,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <vector>
 
