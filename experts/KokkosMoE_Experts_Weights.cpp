@@ -6,7 +6,7 @@
 #include <KokkosMoE_config.hpp>
 
 #ifdef KOKKOSMOE_HAVE_HDF5
-#include <hdf5.h>
+#include <impl/KokkosMoE_Hdf5.hpp>
 #endif
 
 #include <algorithm>
@@ -62,48 +62,8 @@ namespace {
 constexpr char const* format_name = "KokkosMoE.ExpertWeights";
 constexpr std::int64_t format_version = 1;
 
-// Silences the HDF5 error stack printer while alive (errors become exceptions).
-struct QuietHdf5 {
-  H5E_auto2_t func = nullptr;
-  void* data = nullptr;
-  QuietHdf5() {
-    H5Eget_auto2(H5E_DEFAULT, &func, &data);
-    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  }
-  ~QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, func, data); }
-  QuietHdf5(QuietHdf5 const&) = delete;
-  QuietHdf5& operator=(QuietHdf5 const&) = delete;
-};
-
-// Owning HDF5 identifier.
-class Hid {
- public:
-  Hid() = default;
-  Hid(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
-  ~Hid() { reset(); }
-  Hid(Hid&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = -1; }
-  Hid& operator=(Hid&& o) noexcept {
-    if (this != &o) {
-      reset();
-      id_ = o.id_;
-      close_ = o.close_;
-      o.id_ = -1;
-    }
-    return *this;
-  }
-  Hid(Hid const&) = delete;
-  Hid& operator=(Hid const&) = delete;
-  hid_t get() const { return id_; }
-  bool valid() const { return id_ >= 0; }
-  void reset() {
-    if (id_ >= 0 && close_) close_(id_);
-    id_ = -1;
-  }
-
- private:
-  hid_t id_ = -1;
-  herr_t (*close_)(hid_t) = nullptr;
-};
+using KokkosMoE::Impl::Hid;
+using KokkosMoE::Impl::QuietHdf5;
 
 // bfloat16 as an HDF5 float: sign bit 15, 8 exponent bits at 7, 7 mantissa
 // bits, bias 127, little endian.

@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #ifdef KOKKOSMOE_HAVE_HDF5
-#include <hdf5.h>
+#include <impl/KokkosMoE_Hdf5.hpp>
 #endif
 
 #include <cmath>
@@ -58,55 +58,36 @@ bool is_hdf5_signature(std::string const& head) {
 }
 
 #ifdef KOKKOSMOE_HAVE_HDF5
-// Silences the HDF5 error stack printer while alive (errors become exceptions).
-struct QuietHdf5 {
-  H5E_auto2_t func = nullptr;
-  void* data = nullptr;
-  QuietHdf5() {
-    H5Eget_auto2(H5E_DEFAULT, &func, &data);
-    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  }
-  ~QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, func, data); }
-};
-
-struct Hid {
-  hid_t id = -1;
-  herr_t (*close)(hid_t) = nullptr;
-  Hid(hid_t i, herr_t (*c)(hid_t)) : id(i), close(c) {}
-  ~Hid() {
-    if (id >= 0 && close) close(id);
-  }
-  Hid(Hid const&) = delete;
-  Hid& operator=(Hid const&) = delete;
-};
+using Impl::Hid;
+using Impl::QuietHdf5;
 
 std::vector<std::vector<double>> read_hdf5_load(MPI_Comm comm, std::string const& path) {
   QuietHdf5 quiet;
   Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
-  KOKKOSMOE_REQUIRE(fapl.id >= 0, "load file '" << path << "': H5Pcreate failed");
-  KOKKOSMOE_REQUIRE(H5Pset_fapl_mpio(fapl.id, comm, MPI_INFO_NULL) >= 0,
+  KOKKOSMOE_REQUIRE(fapl.get() >= 0, "load file '" << path << "': H5Pcreate failed");
+  KOKKOSMOE_REQUIRE(H5Pset_fapl_mpio(fapl.get(), comm, MPI_INFO_NULL) >= 0,
                     "load file '" << path << "': H5Pset_fapl_mpio failed");
-  Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.id), H5Fclose);
-  KOKKOSMOE_REQUIRE(file.id >= 0, "cannot open load file '" << path << "' as HDF5");
-  KOKKOSMOE_REQUIRE(H5Lexists(file.id, "load", H5P_DEFAULT) > 0,
+  Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()), H5Fclose);
+  KOKKOSMOE_REQUIRE(file.get() >= 0, "cannot open load file '" << path << "' as HDF5");
+  KOKKOSMOE_REQUIRE(H5Lexists(file.get(), "load", H5P_DEFAULT) > 0,
                     "load file '" << path << "' (HDF5) has no dataset \"/load\"");
-  Hid dset(H5Dopen2(file.id, "/load", H5P_DEFAULT), H5Dclose);
-  KOKKOSMOE_REQUIRE(dset.id >= 0, "load file '" << path << "': \"/load\" is not a dataset");
-  Hid type(H5Dget_type(dset.id), H5Tclose);
-  H5T_class_t const cls = H5Tget_class(type.id);
+  Hid dset(H5Dopen2(file.get(), "/load", H5P_DEFAULT), H5Dclose);
+  KOKKOSMOE_REQUIRE(dset.get() >= 0, "load file '" << path << "': \"/load\" is not a dataset");
+  Hid type(H5Dget_type(dset.get()), H5Tclose);
+  H5T_class_t const cls = H5Tget_class(type.get());
   KOKKOSMOE_REQUIRE(cls == H5T_INTEGER || cls == H5T_FLOAT,
                     "load file '" << path << "': dataset \"/load\" is not numeric (HDF5 type class " << static_cast<int>(cls) << ")");
-  Hid space(H5Dget_space(dset.id), H5Sclose);
-  int const ndims = H5Sget_simple_extent_ndims(space.id);
+  Hid space(H5Dget_space(dset.get()), H5Sclose);
+  int const ndims = H5Sget_simple_extent_ndims(space.get());
   KOKKOSMOE_REQUIRE(ndims == 1 || ndims == 2,
                     "load file '" << path << "': dataset \"/load\" has rank " << ndims << " (expected [L, E] or [E])");
   hsize_t dims[2] = {0, 0};
-  H5Sget_simple_extent_dims(space.id, dims, nullptr);
+  H5Sget_simple_extent_dims(space.get(), dims, nullptr);
   std::size_t const L = ndims == 2 ? static_cast<std::size_t>(dims[0]) : 1;
   std::size_t const E = static_cast<std::size_t>(ndims == 2 ? dims[1] : dims[0]);
   KOKKOSMOE_REQUIRE(L > 0 && E > 0, "load file '" << path << "': dataset \"/load\" is empty (" << L << " x " << E << ")");
   std::vector<double> flat(L * E);
-  KOKKOSMOE_REQUIRE(H5Dread(dset.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, flat.data()) >= 0,
+  KOKKOSMOE_REQUIRE(H5Dread(dset.get(), H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, flat.data()) >= 0,
                     "load file '" << path << "': reading dataset \"/load\" failed");
   std::vector<std::vector<double>> out(L, std::vector<double>(E));
   for (std::size_t l = 0; l < L; ++l)
@@ -215,21 +196,21 @@ void write_load_matrix_hdf5(MPI_Comm comm, std::string const& path, std::vector<
   collective(comm, "writing an HDF5 load file", [&] {
     QuietHdf5 quiet;
     Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
-    KOKKOSMOE_REQUIRE(fapl.id >= 0 && H5Pset_fapl_mpio(fapl.id, comm, MPI_INFO_NULL) >= 0,
+    KOKKOSMOE_REQUIRE(fapl.get() >= 0 && H5Pset_fapl_mpio(fapl.get(), comm, MPI_INFO_NULL) >= 0,
                       "write '" << path << "': cannot set up the MPI-IO driver");
-    Hid file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.id), H5Fclose);
-    KOKKOSMOE_REQUIRE(file.id >= 0, "cannot create HDF5 file '" << path << "'");
+    Hid file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
+    KOKKOSMOE_REQUIRE(file.get() >= 0, "cannot create HDF5 file '" << path << "'");
     hsize_t dims[2] = {static_cast<hsize_t>(L), static_cast<hsize_t>(E)};
     Hid space(H5Screate_simple(2, dims, nullptr), H5Sclose);
-    Hid dset(H5Dcreate2(file.id, "/load", H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
-    KOKKOSMOE_REQUIRE(dset.id >= 0, "'" << path << "': cannot create dataset \"/load\"");
+    Hid dset(H5Dcreate2(file.get(), "/load", H5T_IEEE_F64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
+    KOKKOSMOE_REQUIRE(dset.get() >= 0, "'" << path << "': cannot create dataset \"/load\"");
     // Rank 0 writes the whole dataset; the others take part with an empty selection.
     Hid mem(H5Screate_simple(2, dims, nullptr), H5Sclose);
     if (comm_rank(comm) != 0) {
-      H5Sselect_none(mem.id);
-      H5Sselect_none(space.id);
+      H5Sselect_none(mem.get());
+      H5Sselect_none(space.get());
     }
-    KOKKOSMOE_REQUIRE(H5Dwrite(dset.id, H5T_NATIVE_DOUBLE, mem.id, space.id, H5P_DEFAULT, flat.data()) >= 0,
+    KOKKOSMOE_REQUIRE(H5Dwrite(dset.get(), H5T_NATIVE_DOUBLE, mem.get(), space.get(), H5P_DEFAULT, flat.data()) >= 0,
                       "'" << path << "': writing dataset \"/load\" failed");
   });
 #else

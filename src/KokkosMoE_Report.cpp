@@ -3,7 +3,7 @@
 #include <KokkosMoE_config.hpp>
 
 #ifdef KOKKOSMOE_HAVE_HDF5
-#include <hdf5.h>
+#include <impl/KokkosMoE_Hdf5.hpp>
 #endif
 
 #include <cerrno>
@@ -49,24 +49,18 @@ void write_text_file(std::string const& path, std::string const& text) {
 
 #ifdef KOKKOSMOE_HAVE_HDF5
 namespace {
-struct H5Handle {
-  hid_t id;
-  herr_t (*close)(hid_t);
-  ~H5Handle() {
-    if (id >= 0) close(id);
-  }
-};
+using Impl::Hid;
 void write_dataset(hid_t group, std::string const& path, std::string const& name, std::vector<double> const& data,
                    std::vector<hsize_t> const& dims) {
-  H5Handle space{H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose};
-  KOKKOSMOE_REQUIRE(space.id >= 0, "HDF5: cannot create a dataspace for '" << name << "' in '" << path << "'");
+  Hid space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+  KOKKOSMOE_REQUIRE(space.get() >= 0, "HDF5: cannot create a dataspace for '" << name << "' in '" << path << "'");
   // Names with '/' (e.g. "flat/seconds_total") create their groups.
-  H5Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
-  H5Pset_create_intermediate_group(lcpl.id, 1);
-  H5Handle set{H5Dcreate2(group, name.c_str(), H5T_IEEE_F64LE, space.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT), H5Dclose};
-  KOKKOSMOE_REQUIRE(set.id >= 0, "HDF5: cannot create dataset '" << name << "' in '" << path << "'");
+  Hid lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
+  H5Pset_create_intermediate_group(lcpl.get(), 1);
+  Hid set(H5Dcreate2(group, name.c_str(), H5T_IEEE_F64LE, space.get(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
+  KOKKOSMOE_REQUIRE(set.get() >= 0, "HDF5: cannot create dataset '" << name << "' in '" << path << "'");
   if (!data.empty())
-    KOKKOSMOE_REQUIRE(H5Dwrite(set.id, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()) >= 0,
+    KOKKOSMOE_REQUIRE(H5Dwrite(set.get(), H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()) >= 0,
                       "HDF5: cannot write dataset '" << name << "' in '" << path << "'");
 }
 }  // namespace
@@ -75,27 +69,27 @@ void write_dataset(hid_t group, std::string const& path, std::string const& name
 void write_series_hdf5(std::string const& path, StepSeries const& series, std::map<std::string, std::string> const& attributes) {
 #ifdef KOKKOSMOE_HAVE_HDF5
   make_parents(path);
-  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // errors are reported by the exceptions below
-  H5Handle file{H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose};
-  KOKKOSMOE_REQUIRE(file.id >= 0, "cannot create HDF5 file '" << path << "'");
-  H5Handle steps{H5Gcreate2(file.id, "steps", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose};
-  KOKKOSMOE_REQUIRE(steps.id >= 0, "HDF5: cannot create group /steps in '" << path << "'");
+  Impl::QuietHdf5 quiet;  // errors are reported by the exceptions below
+  Hid file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+  KOKKOSMOE_REQUIRE(file.get() >= 0, "cannot create HDF5 file '" << path << "'");
+  Hid steps(H5Gcreate2(file.get(), "steps", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+  KOKKOSMOE_REQUIRE(steps.get() >= 0, "HDF5: cannot create group /steps in '" << path << "'");
   for (auto const& kv : series.scalars())
-    write_dataset(steps.id, path, kv.first, kv.second, {static_cast<hsize_t>(kv.second.size())});
+    write_dataset(steps.get(), path, kv.first, kv.second, {static_cast<hsize_t>(kv.second.size())});
   for (auto const& kv : series.rows()) {
     std::size_t width = 0;
     for (auto const& r : kv.second) width = std::max(width, r.size());
     std::vector<double> flat(kv.second.size() * width, 0.0);
     for (std::size_t i = 0; i < kv.second.size(); ++i)
       std::copy(kv.second[i].begin(), kv.second[i].end(), flat.begin() + static_cast<std::ptrdiff_t>(i * width));
-    write_dataset(steps.id, path, kv.first, flat, {static_cast<hsize_t>(kv.second.size()), static_cast<hsize_t>(width)});
+    write_dataset(steps.get(), path, kv.first, flat, {static_cast<hsize_t>(kv.second.size()), static_cast<hsize_t>(width)});
   }
   for (auto const& kv : attributes) {
-    H5Handle type{H5Tcopy(H5T_C_S1), H5Tclose};
-    H5Tset_size(type.id, std::max<std::size_t>(1, kv.second.size()));
-    H5Handle space{H5Screate(H5S_SCALAR), H5Sclose};
-    H5Handle attr{H5Acreate2(file.id, kv.first.c_str(), type.id, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose};
-    KOKKOSMOE_REQUIRE(attr.id >= 0 && H5Awrite(attr.id, type.id, kv.second.c_str()) >= 0,
+    Hid type(H5Tcopy(H5T_C_S1), H5Tclose);
+    H5Tset_size(type.get(), std::max<std::size_t>(1, kv.second.size()));
+    Hid space(H5Screate(H5S_SCALAR), H5Sclose);
+    Hid attr(H5Acreate2(file.get(), kv.first.c_str(), type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+    KOKKOSMOE_REQUIRE(attr.get() >= 0 && H5Awrite(attr.get(), type.get(), kv.second.c_str()) >= 0,
                       "HDF5: cannot write attribute '" << kv.first << "' in '" << path << "'");
   }
 #else

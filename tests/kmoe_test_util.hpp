@@ -3,6 +3,8 @@
 
 // Small helpers shared by the tests: fixture loading and MPI facts.
 
+#include <KokkosMoE_Eplb.hpp>
+
 #include <nlohmann/json.hpp>
 #include <mpi.h>
 
@@ -18,6 +20,16 @@ inline nlohmann::json fixture(std::string const& name) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error("cannot open fixture " + path);
   return nlohmann::json::parse(in);
+}
+
+/// An EPLB placement spec: S physical slots, G expert groups, N nodes, R ranks.
+inline KokkosMoE::PlacementSpec eplb_spec(int slots, int groups, int nodes, int ranks) {
+  KokkosMoE::PlacementSpec spec;
+  spec.physical_slots = slots;
+  spec.groups = groups;
+  spec.nodes = nodes;
+  spec.ranks = ranks;
+  return spec;
 }
 
 inline std::string data_path(std::string const& name) { return std::string(KMOE_TEST_DATA_DIR) + "/" + name; }

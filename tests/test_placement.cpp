@@ -151,11 +151,7 @@ TEST_CASE("EPLB hierarchical reproduces placement_eplb.json", "[placement][eplb]
 
 TEST_CASE("EPLB global mode: hand-computed case and mode selection", "[placement][eplb]") {
   // groups 3 % nodes 2 != 0: global mode (one group, one node).
-  PlacementSpec spec;
-  spec.physical_slots = 8;
-  spec.groups = 3;
-  spec.nodes = 2;
-  spec.ranks = 4;
+  PlacementSpec spec = kmoe_test::eplb_spec(8, 3, 2, 4);
   auto const lp = eplb_layer({4, 2, 1, 1}, spec);
   CHECK(lp.policy == PlacementPolicy::eplb_global);
   // Copies: e0 gets 3 redundant copies, e1 one; every copy weighs 1.
@@ -183,11 +179,7 @@ TEST_CASE("EPLB global mode: hand-computed case and mode selection", "[placement
 }
 
 TEST_CASE("EPLB validates its inputs with clear errors", "[placement][eplb]") {
-  PlacementSpec spec;
-  spec.physical_slots = 8;
-  spec.groups = 2;
-  spec.nodes = 2;
-  spec.ranks = 4;
+  PlacementSpec spec = kmoe_test::eplb_spec(8, 2, 2, 4);
   std::vector<double> const load = {4, 2, 1, 1};
   auto with = [&](auto mutate) {
     PlacementSpec s = spec;
@@ -213,11 +205,7 @@ TEST_CASE("EPLB validates its inputs with clear errors", "[placement][eplb]") {
 }
 
 TEST_CASE("EPLB with S == E places every expert once", "[placement][eplb]") {
-  PlacementSpec spec;
-  spec.physical_slots = 4;
-  spec.groups = 2;
-  spec.nodes = 2;
-  spec.ranks = 4;
+  PlacementSpec spec = kmoe_test::eplb_spec(4, 2, 2, 4);
   auto const lp = eplb_layer({4, 2, 1, 1}, spec);
   CHECK(lp.logcnt == std::vector<int>{1, 1, 1, 1});
   check_indexing(lp.placement);
@@ -238,11 +226,7 @@ TEST_CASE("EPLB properties on random loads", "[placement][eplb][property]") {
     for (int kind = 0; kind < 5; ++kind) {
       for (int rep = 0; rep < 6; ++rep) {
         auto const load = random_loads(rng, sh.E, kind);
-        PlacementSpec spec;
-        spec.physical_slots = sh.S;
-        spec.groups = sh.G;
-        spec.nodes = sh.N;
-        spec.ranks = sh.R;
+        PlacementSpec spec = kmoe_test::eplb_spec(sh.S, sh.G, sh.N, sh.R);
         for (PlacementPolicy policy : {PlacementPolicy::eplb, PlacementPolicy::eplb_global}) {
           spec.policy = policy;
           if (policy == PlacementPolicy::eplb && (sh.G % sh.N != 0 || sh.E % sh.G != 0)) {
@@ -325,11 +309,7 @@ TEST_CASE("EPLB is a heuristic: a pinned case worse than contiguous", "[placemen
   // {0, 1} on rank 0 and {2} on rank 1: max/mean 1. EPLB gives expert 0 four
   // copies (1/4 each), expert 2 three (1/3 each); packing 4 items per rank,
   // heaviest first, leaves rank 1 with 1/3 + 3 * 1/4 = 13/12.
-  PlacementSpec spec;
-  spec.physical_slots = 8;
-  spec.groups = 1;
-  spec.nodes = 1;
-  spec.ranks = 2;
+  PlacementSpec spec = kmoe_test::eplb_spec(8, 1, 1, 2);
   auto const lp = eplb_layer({1, 0, 1}, spec);
   CHECK(lp.logcnt == std::vector<int>{4, 1, 3});
   CHECK(lp.load.rank_load_text(0) == "11/12");
@@ -340,11 +320,7 @@ TEST_CASE("EPLB is a heuristic: a pinned case worse than contiguous", "[placemen
 
 TEST_CASE("Placement policies for L layers at once", "[placement]") {
   std::vector<std::vector<double>> const load = {{4, 2, 1, 1}, {1, 1, 2, 4}, {0, 0, 0, 0}};
-  PlacementSpec spec;
-  spec.physical_slots = 8;
-  spec.groups = 2;
-  spec.nodes = 2;
-  spec.ranks = 4;
+  PlacementSpec spec = kmoe_test::eplb_spec(8, 2, 2, 4);
   spec.version = 7;
   spec.generation = 3;
   auto const layers = build_placements(load, spec);
@@ -432,11 +408,7 @@ TEST_CASE("Placement checked against a topology", "[placement][topology]") {
   layout.kind = Topology::LayoutKind::virtual_nodes;
   layout.ranks_per_node = 2;
   auto const topo = Topology::Topology::simulated(4, layout);
-  PlacementSpec spec;
-  spec.physical_slots = 8;
-  spec.groups = 2;
-  spec.nodes = 2;
-  spec.ranks = 4;
+  PlacementSpec spec = kmoe_test::eplb_spec(8, 2, 2, 4);
   auto const lp = eplb_layer({4, 2, 1, 1}, spec);
   CHECK_NOTHROW(validate_placement_topology(lp.placement, topo));
 
@@ -499,11 +471,7 @@ TEST_CASE("Replica selection: locality classes, load and slot tie-breaks", "[pla
 }
 
 TEST_CASE("Replica selection on the device: exactly one slot per route", "[placement][replica]") {
-  PlacementSpec spec;
-  spec.physical_slots = 8;
-  spec.groups = 2;
-  spec.nodes = 2;
-  spec.ranks = 4;
+  PlacementSpec spec = kmoe_test::eplb_spec(8, 2, 2, 4);
   auto const lp = eplb_layer({4, 2, 1, 1}, spec);
   auto const& p = lp.placement;
   int const E = p.num_experts();

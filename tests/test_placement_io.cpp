@@ -155,11 +155,7 @@ TEST_CASE("Load files: HDF5 [L, E] and [E] datasets", "[placement][io][mpi][hdf5
 #endif
 
 TEST_CASE("Placement files: round trip and errors", "[placement][io]") {
-  PlacementSpec spec;
-  spec.physical_slots = 8;
-  spec.groups = 2;
-  spec.nodes = 2;
-  spec.ranks = 4;
+  PlacementSpec spec = kmoe_test::eplb_spec(8, 2, 2, 4);
   spec.generation = 5;
   spec.version = 2;
   auto const layers = build_placements({{4, 2, 1, 1}, {1, 1, 2, 4}}, spec);

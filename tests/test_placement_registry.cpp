@@ -45,11 +45,7 @@ std::uint64_t digest_of(int e) {
 }
 
 Placement generation(std::uint64_t g, std::vector<double> const& load) {
-  PlacementSpec spec;
-  spec.physical_slots = 8;
-  spec.groups = 2;
-  spec.nodes = 2;
-  spec.ranks = 4;
+  PlacementSpec spec = kmoe_test::eplb_spec(8, 2, 2, 4);
   spec.generation = g;
   auto const lp = eplb_layer(load, spec);
   std::vector<std::uint64_t> d;
