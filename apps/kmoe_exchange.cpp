@@ -169,14 +169,7 @@ int simulate(LayerDeck const& deck, Options const& opt) {
     maxima.emplace_back(name, Exchange::ledger_maxima(topo, h));
     Exchange::check_inter_node_equal(cols.front().second, cols.back().second);
   }
-  Exchange::PooledWaveConfig pc;
-  pc.waves = d.exchange.waves;
-  pc.sender_cf = d.exchange.sender_cf;
-  pc.receiver_cf = d.exchange.receiver_cf;
-  pc.tokens_per_rank = T;
-  pc.top_k = d.model.top_k;
-  for (int r = 0; r < N; ++r) pc.local_experts = std::max(pc.local_experts, placement.num_slots_of_rank(r));
-  auto const pooled = Exchange::plan_pooled_wave(topo, layout, routes, fmt, pc);
+  auto const pooled = Exchange::plan_pooled_wave(topo, layout, routes, fmt, pooled_wave_config(config, placement));
   cols.emplace_back("pooled_wave", Exchange::sum_ledgers(pooled));
   maxima.emplace_back("pooled_wave", Exchange::ledger_maxima(topo, pooled));
   if (rank == 0) {
@@ -292,15 +285,7 @@ int run(LayerDeck const& deck, Options const& opt) {
         if (algo == ExchangeAlgorithm::flat) planned = Exchange::plan_flat(topo, comms.layout(), routes, fmt);
         if (algo == ExchangeAlgorithm::hierarchical) planned = Exchange::plan_hierarchical(topo, comms.layout(), routes, fmt);
         if (algo == ExchangeAlgorithm::pooled_wave) {
-          Exchange::PooledWaveConfig pc;
-          pc.waves = config.pooled_waves;
-          pc.sender_cf = config.pooled_sender_cf;
-          pc.receiver_cf = config.pooled_receiver_cf;
-          pc.tokens_per_rank = config.tokens_per_rank;
-          pc.top_k = config.router.top_k;
-          for (int r = 0; r < size; ++r) pc.local_experts = std::max(pc.local_experts, placement.num_slots_of_rank(r));
-          pc.local_experts = std::max(1, pc.local_experts);
-          planned = Exchange::plan_pooled_wave(topo, comms.layout(), routes, fmt, pc);
+          planned = Exchange::plan_pooled_wave(topo, comms.layout(), routes, fmt, pooled_wave_config(config, placement));
         }
         auto measured = rec.ledger;
         for (auto* d : {&measured.dispatch, &measured.combine})

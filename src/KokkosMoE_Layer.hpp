@@ -53,6 +53,21 @@ struct LayerConfig {
   ReplicaPolicy replica_policy = ReplicaPolicy::locality;
 };
 
+/// \brief The pooled-wave exchange's static shape for a layer: its waves and
+/// capacity factors, tokens per rank, top-k, and the most slots on any rank.
+inline Exchange::PooledWaveConfig pooled_wave_config(LayerConfig const& config, Placement const& placement) {
+  Exchange::PooledWaveConfig pc;
+  pc.waves = config.pooled_waves;
+  pc.sender_cf = config.pooled_sender_cf;
+  pc.receiver_cf = config.pooled_receiver_cf;
+  pc.tokens_per_rank = config.tokens_per_rank;
+  pc.top_k = config.router.top_k;
+  int most = 0;
+  for (int r = 0; r < placement.num_ranks(); ++r) most = std::max(most, placement.num_slots_of_rank(r));
+  pc.local_experts = std::max(1, most);
+  return pc;
+}
+
 /// \brief What one forward did.
 struct StepRecord {
   std::string algorithm;
@@ -360,16 +375,8 @@ class MoELayer {
   }
   Exchange::PooledWaveExchange<Exchange::Mpi, MemorySpace>& pooled() {
     if (!pooled_) {
-      Exchange::PooledWaveConfig pc;
-      pc.waves = config_.pooled_waves;
-      pc.sender_cf = config_.pooled_sender_cf;
-      pc.receiver_cf = config_.pooled_receiver_cf;
-      pc.tokens_per_rank = config_.tokens_per_rank;
-      pc.top_k = config_.router.top_k;
-      int L = 0;
-      for (int r = 0; r < placement_.num_ranks(); ++r) L = std::max(L, placement_.num_slots_of_rank(r));
-      pc.local_experts = std::max(1, L);
-      pooled_ = std::make_unique<Exchange::PooledWaveExchange<Exchange::Mpi, MemorySpace>>(*comms_, pc, config_.transport);
+      pooled_ = std::make_unique<Exchange::PooledWaveExchange<Exchange::Mpi, MemorySpace>>(
+          *comms_, pooled_wave_config(config_, placement_), config_.transport);
     }
     return *pooled_;
   }
