@@ -6,9 +6,12 @@
 #include "kmoe_sim.hpp"
 #include "kmoe_test_util.hpp"
 
+#include <impl/KokkosMoE_HostRows.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <random>
 
@@ -486,4 +489,57 @@ TEST_CASE("bad plans are rejected with clear errors", "[permutation][errors]") {
   Kokkos::deep_copy(meta, hm);
   CHECK_THROWS_WITH(make_repack_plan(Exec(), meta, placement, 0),
                     Catch::Matchers::Contains("arrived at rank 0 for physical slot 2"));
+}
+
+TEST_CASE("host row kernel: the sequential FP32 sum, rounded once to bf16", "[permutation][combine]") {
+  // Whatever clone the CPU selects (baseline, AVX2, AVX-512) must give the
+  // bits of a plain loop: products and sums in k order, never fused.
+  std::mt19937 rng(77);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  float const inf = std::numeric_limits<float>::infinity();
+  for (int d : {1, 7, 128, 129, 300, 1000}) {
+    for (int n : {0, 1, 3, 8}) {
+      std::vector<std::vector<float>> f32(static_cast<std::size_t>(n), std::vector<float>(static_cast<std::size_t>(d)));
+      std::vector<std::vector<std::uint16_t>> b16(static_cast<std::size_t>(n), std::vector<std::uint16_t>(static_cast<std::size_t>(d)));
+      std::vector<float> w(static_cast<std::size_t>(n));
+      for (int j = 0; j < n; ++j) {
+        w[j] = u(rng);
+        for (int c = 0; c < d; ++c) {
+          float v = u(rng) * 1e3f;
+          if (c == 5 && j == 0) v = inf;
+          if (c == 6 && j == 1) v = std::numeric_limits<float>::quiet_NaN();
+          f32[j][c] = v;
+          b16[j][c] = to_bf16(v).bits;
+        }
+      }
+      for (PayloadType type : {PayloadType::fp32, PayloadType::bf16}) {
+        std::vector<unsigned char const*> rows(static_cast<std::size_t>(n));
+        for (int j = 0; j < n; ++j)
+          rows[j] = type == PayloadType::fp32 ? reinterpret_cast<unsigned char const*>(f32[j].data())
+                                              : reinterpret_cast<unsigned char const*>(b16[j].data());
+        std::vector<float> want(static_cast<std::size_t>(d));
+        for (int c = 0; c < d; ++c) {
+          volatile float acc = 0.0f;  // one rounding per product and per sum
+          for (int j = 0; j < n; ++j) {
+            volatile float const y = type == PayloadType::fp32 ? f32[j][c] : to_float(bf16_t{b16[j][c]});
+            volatile float const prod = w[j] * y;
+            acc = acc + prod;
+          }
+          want[c] = acc;
+        }
+        std::vector<float> got(static_cast<std::size_t>(d), -1.0f);
+        std::vector<std::uint16_t> got_b(static_cast<std::size_t>(d), 0xFFFFu);
+        Impl::host_weighted_rows(type, rows.data(), w.data(), n, d, got.data(), nullptr, rows.data(), n);
+        Impl::host_weighted_rows(type, rows.data(), w.data(), n, d, nullptr, got_b.data());
+        std::size_t bad = 0, bad_b = 0;
+        for (int c = 0; c < d; ++c) {
+          bad += std::memcmp(&got[c], &want[c], sizeof(float)) != 0 && !(std::isnan(got[c]) && std::isnan(want[c])) ? 1 : 0;
+          bad_b += got_b[c] != to_bf16(want[c]).bits ? 1 : 0;
+        }
+        INFO("d = " << d << ", n = " << n << ", type " << static_cast<int>(type));
+        CHECK(bad == 0);
+        CHECK(bad_b == 0);
+      }
+    }
+  }
 }
