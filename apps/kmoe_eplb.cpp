@@ -114,7 +114,7 @@ int run(Options const& o, MPI_Comm comm) {
                       "layer " << l << " has " << load[l].size() << " loads, layer 0 has " << E);
 
   PlacementSpec spec;
-  spec.policy = placement_policy_from_string(o.policy);
+  spec.policy = from_string<PlacementPolicy>(o.policy);
   spec.ranks = o.ranks > 0 ? o.ranks : comm_size(comm);
   spec.nodes = o.nodes;
   spec.groups = o.groups;

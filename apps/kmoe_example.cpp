@@ -35,7 +35,7 @@ int main(int argc, char* argv[]) {
       config.router.num_experts = experts;
       config.router.top_k = top_k;
       config.router.normalize = true;
-      config.algorithm = ExchangeAlgorithm::flat;
+      config.exchange.algorithm = Exchange::Algorithm::flat;  // transport: MPI (the default)
       std::vector<int> mine;
       for (int s : placement.slots_of_rank(rank)) mine.push_back(placement.slot(s).expert);
       Experts::ExpertWeights<float, MS> weights("example::experts", mine, d, ffn);

@@ -65,7 +65,7 @@ std::string side_by_side(std::vector<std::pair<std::string, Exchange::ByteLedger
     };
     row(std::string(dir) + " rows (useful)", [&](auto const& l) { return std::to_string(get(l).useful_rows); });
     for (auto c : {LinkClass::same_rank, LinkClass::intra_node, LinkClass::inter_node}) {
-      std::string const cls = Exchange::to_string(c);
+      std::string const cls = to_string(c);
       row(std::string(dir) + " " + cls + " rows", [&](auto const& l) { return std::to_string(get(l).by_class(c).rows); });
       row(std::string(dir) + " " + cls + " payload B", [&](auto const& l) { return std::to_string(get(l).by_class(c).payload_bytes); });
       row(std::string(dir) + " " + cls + " meta B", [&](auto const& l) { return std::to_string(get(l).by_class(c).meta_bytes); });
@@ -107,24 +107,14 @@ std::string stages(Exchange::ByteLedger const& l, bool with_time) {
   return os.str();
 }
 
-/// Routes of one (real or simulated) rank as the planner sees them.
-Exchange::RankRoutes rank_routes(LayerDeck const& deck, LayerConfig const& config, Placement const& placement, int rank,
-                                 int node, RouteTable<Kokkos::HostSpace> const& table,
-                                 Kokkos::View<int**, Kokkos::LayoutRight, Kokkos::HostSpace> const& explicit_slot) {
+/// The route plan of one (real or simulated) rank in host memory, made by
+/// the same make_route_plan as the layer's.
+RoutePlan<Kokkos::HostSpace> host_route_plan(LayerConfig const& config, Placement const& placement,
+                                             DevicePlacement<Kokkos::HostSpace> const& device_placement, int rank, int node,
+                                             RouteTable<Kokkos::HostSpace> const& table,
+                                             Kokkos::View<int**, Kokkos::LayoutRight, Kokkos::HostSpace> const& explicit_slot) {
   auto choice = make_replica_choice<Kokkos::HostSpace>(placement, rank, node, config.replica_policy);
-  Exchange::RankRoutes rr;
-  index_t const T = table.num_tokens();
-  int const k = table.top_k();
-  (void)deck;
-  for (index_t t = 0; t < T; ++t)
-    for (int j = 0; j < k; ++j) {
-      if (!table.accepted(t, j)) continue;
-      int const e = table.expert(t, j);
-      int const s = explicit_slot.extent(0) > 0 ? explicit_slot(t, j) : choice.slot(e, t * k + j);
-      rr.dest.push_back(placement.slot(s).rank);
-      rr.local_slot.push_back(placement.local_index(s));
-    }
-  return rr;
+  return make_route_plan(Kokkos::DefaultHostExecutionSpace(), table, device_placement, choice, rank, 0, explicit_slot);
 }
 
 int simulate(LayerDeck const& deck, Options const& opt) {
@@ -141,19 +131,24 @@ int simulate(LayerDeck const& deck, Options const& opt) {
   auto const placement = Setup::make_placement(d, nodes, MPI_COMM_SELF);
   auto const config = Setup::layer_config(d, placement);
   Kokkos::DefaultHostExecutionSpace host;
-  std::vector<Exchange::RankRoutes> routes(static_cast<std::size_t>(N));
+  auto const device_placement = make_device_placement<Kokkos::HostSpace>(placement);
+  Exchange::RankRoutePlans routes(static_cast<std::size_t>(N));
   index_t const T = Setup::tokens_per_rank(d);
   for (int r = 0; r < N; ++r) {
     Kokkos::View<int**, Kokkos::LayoutRight, Kokkos::HostSpace> es;
     auto table = Setup::sampled_routes<Kokkos::HostSpace>(host, d, config, 0, static_cast<index_t>(r) * T, T, r, es);
-    routes[static_cast<std::size_t>(r)] = rank_routes(d, config, placement, r, nodes[static_cast<std::size_t>(r)], table, es);
+    routes[static_cast<std::size_t>(r)] = host_route_plan(config, placement, device_placement, r, nodes[static_cast<std::size_t>(r)], table, es);
   }
-  Exchange::PlanFormat fmt{d.model.payload, d.model.return_payload, d.model.hidden};
   std::vector<std::pair<std::string, Exchange::ByteLedger>> cols;
   std::vector<std::pair<std::string, Exchange::LedgerMaxima>> maxima;
   auto spec = Setup::comm_spec(d);
   auto const layout = Topology::make_comm_layout(topo, spec);
-  auto const flat = Exchange::plan_flat(topo, layout, routes, fmt);
+  auto const plan = [&](Exchange::Algorithm algorithm, Topology::CommLayout const& l) {
+    auto c = config.exchange;
+    c.algorithm = algorithm;
+    return Exchange::plan_ledgers(Exchange::PlanInput{topo, l, routes, placement, c, d.model.hidden});
+  };
+  auto const flat = plan(Exchange::Algorithm::flat, layout);
   cols.emplace_back("flat", Exchange::sum_ledgers(flat));
   maxima.emplace_back("flat", Exchange::ledger_maxima(topo, flat));
   std::vector<int> relay_variants = {spec.relays_per_node};
@@ -163,13 +158,13 @@ int simulate(LayerDeck const& deck, Options const& opt) {
     auto s2 = spec;
     s2.relays_per_node = R;
     auto const l2 = Topology::make_comm_layout(topo, s2);
-    auto const h = Exchange::plan_hierarchical(topo, l2, routes, fmt);
+    auto const h = plan(Exchange::Algorithm::hierarchical, l2);
     std::string const name = "hier R=" + std::to_string(R);
     cols.emplace_back(name, Exchange::sum_ledgers(h));
     maxima.emplace_back(name, Exchange::ledger_maxima(topo, h));
     Exchange::check_inter_node_equal(cols.front().second, cols.back().second);
   }
-  auto const pooled = Exchange::plan_pooled_wave(topo, layout, routes, fmt, pooled_wave_config(config, placement));
+  auto const pooled = plan(Exchange::Algorithm::pooled_wave, layout);
   cols.emplace_back("pooled_wave", Exchange::sum_ledgers(pooled));
   maxima.emplace_back("pooled_wave", Exchange::ledger_maxima(topo, pooled));
   if (rank == 0) {
@@ -244,29 +239,26 @@ int run(LayerDeck const& deck, Options const& opt) {
   std::vector<int> slot_expert;
   for (int s : placement.slots_of_rank(rank)) slot_expert.push_back(placement.slot(s).expert);
   auto experts = Experts::ExpertWeights<float, MS>::scalar("kmoe-exchange::experts", slot_expert, deck.model.hidden, scales);
-  LayerConfig scalar_config = config;
+  LayerConfig scalar_config = config;  // the deck's algorithm, transport, payloads and watchdog
   scalar_config.runner.kind = Experts::RunnerKind::scalar;
   RowMatrix<float, MS> router_weight("kmoe-exchange::router_weight", deck.model.experts, deck.model.hidden);
   MoELayer<float, Exec, MS> layer(scalar_config, comms, placement, router_weight, experts);
 
-  // The planner's view of every rank's routes.
-  auto ht = RouteTable<Kokkos::HostSpace>("kmoe-exchange::host_routes", table.num_tokens(), table.top_k(), table.num_experts());
-  Kokkos::deep_copy(ht.expert, table.expert);
-  Kokkos::deep_copy(ht.accepted, table.accepted);
-  auto hs = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), explicit_slot);
-  auto const mine = rank_routes(deck, config, placement, rank, nodes[static_cast<std::size_t>(rank)], ht, hs);
+  // The planner's view of every rank's routes: the route plan the layer makes.
+  auto const mine = make_route_plan(exec, table, make_device_placement<MS>(placement),
+                                    make_replica_choice<MS>(placement, rank, nodes[static_cast<std::size_t>(rank)], config.replica_policy),
+                                    rank, 0, explicit_slot);
   auto const routes = Exchange::allgather_routes(world, mine);
-  Exchange::PlanFormat fmt{deck.model.payload, deck.model.return_payload, deck.model.hidden};
 
   std::vector<std::string> algorithms = opt.algorithms;
-  if (algorithms.empty()) algorithms = {"flat", "hierarchical", "pooled_wave"};
+  if (algorithms.empty()) algorithms = enum_names<Exchange::Algorithm>();
   int const reps = std::max(1, opt.reps >= 0 ? opt.reps : deck.run.steps);
   std::vector<std::pair<std::string, Exchange::ByteLedger>> cols;
   std::string stage_lines;
   bool planned_ok = true;
   RowMatrix<float, MS> out("kmoe-exchange::out", T, deck.model.hidden);
   for (auto const& name : algorithms) {
-    auto const algo = exchange_algorithm_from_string(name);
+    auto const algo = from_string<Exchange::Algorithm>(name);
     Exchange::ByteLedger best;
     double best_s = -1;
     for (int rep = 0; rep < reps; ++rep) {
@@ -281,12 +273,9 @@ int run(LayerDeck const& deck, Options const& opt) {
       }
       if (rep == 0) {
         // The planner must predict this rank's ledger exactly.
-        std::vector<Exchange::ByteLedger> planned;
-        if (algo == ExchangeAlgorithm::flat) planned = Exchange::plan_flat(topo, comms.layout(), routes, fmt);
-        if (algo == ExchangeAlgorithm::hierarchical) planned = Exchange::plan_hierarchical(topo, comms.layout(), routes, fmt);
-        if (algo == ExchangeAlgorithm::pooled_wave) {
-          planned = Exchange::plan_pooled_wave(topo, comms.layout(), routes, fmt, pooled_wave_config(config, placement));
-        }
+        auto c = config.exchange;
+        c.algorithm = algo;
+        auto const planned = Exchange::plan_ledgers(Exchange::PlanInput{topo, comms.layout(), routes, placement, c, deck.model.hidden});
         auto measured = rec.ledger;
         for (auto* d : {&measured.dispatch, &measured.combine})
           for (auto& s : d->stages) s.seconds = 0;
@@ -299,13 +288,15 @@ int run(LayerDeck const& deck, Options const& opt) {
     stage_lines += stages(best, true);
   }
   if (rank == 0) {
-    std::cout << "exchange experiment: " << size << " ranks on " << topo.num_nodes() << " nodes, " << T << " tokens per rank, top-"
+    std::cout << "exchange experiment: " << size << " ranks on " << topo.num_nodes() << " nodes over " << to_string(deck.exchange.transport)
+              << ", " << T << " tokens per rank, top-"
               << deck.model.top_k << ", " << to_string(deck.model.payload) << " rows of "
               << payload_row_bytes(deck.model.payload, deck.model.hidden) << " B, best of " << reps << " runs\n\n"
               << side_by_side(cols, true) << "\nper stage:\n"
               << stage_lines << "planner check: " << (planned_ok ? "every rank's ledger predicted exactly" : "MISMATCH") << "\n";
     json report;
     report["mode"] = "mpi";
+    report["transport"] = to_string(deck.exchange.transport);
     report["ranks"] = size;
     report["nodes"] = topo.num_nodes();
     report["resolved_deck"] = deck.resolved();
@@ -317,7 +308,7 @@ int run(LayerDeck const& deck, Options const& opt) {
       std::cout << "report: " << path << "\n";
     }
     std::ostringstream p;
-    p << "PERFORMANCE mode=mpi ranks=" << size << " nodes=" << topo.num_nodes();
+    p << "PERFORMANCE mode=mpi transport=" << to_string(deck.exchange.transport) << " ranks=" << size << " nodes=" << topo.num_nodes();
     for (auto const& c : cols) {
       double t = 0;
       for (auto const* d : {&c.second.dispatch, &c.second.combine})
@@ -339,7 +330,7 @@ int main(int argc, char* argv[]) {
     app.add_option("deck", opt.deck, "TOML input deck (see inputs/README.md)")->required();
     app.add_option("--algorithms", opt.algorithms, "algorithms to run (default: all three)")
         ->delimiter(',')
-        ->check(CLI::IsMember({"flat", "hierarchical", "pooled_wave"}));
+        ->check(CLI::IsMember(enum_names<Exchange::Algorithm>()));
     app.add_flag("--simulate", opt.simulate, "plan a cluster of [simulate] ranks in this process (no data moves, no time)");
     app.add_option("--reps", opt.reps, "runs per algorithm, best reported (default [run] steps)")->check(CLI::NonNegativeNumber);
     app.add_option("--report", opt.report, "JSON report path (overrides [run] report)");

@@ -33,14 +33,14 @@ int main(int argc, char* argv[]) {
     int ranks_per_node = 0, relays = 1;
     std::vector<int> node_of_rank, peer_order;
     app.add_option("--deck", deck_path, "take the [topology] table of a deck");
-    app.add_option("--layout", layout, "hwloc, virtual or synthetic")->check(CLI::IsMember({"hwloc", "virtual", "synthetic"}));
+    app.add_option("--layout", layout, "hwloc, virtual or synthetic")->check(CLI::IsMember(enum_names<Topology::LayoutKind>()));
     app.add_option("--ranks-per-node", ranks_per_node, "virtual/synthetic nodes of consecutive ranks")->check(CLI::PositiveNumber);
     app.add_option("--node-of-rank", node_of_rank, "node of every rank")->delimiter(',');
     app.add_option("--synthetic", synthetic, "hwloc synthetic description of a node");
     app.add_option("--xml", xml, "hwloc XML file of a node");
     app.add_option("--peer-order", peer_order, "EP peer order (a permutation of the ranks)")->delimiter(',');
     app.add_option("--relays-per-node", relays, "relays per node (> 1: rail relays)")->check(CLI::PositiveNumber);
-    app.add_option("--relay-policy", relay_policy, "lowest_local_rank or nearest_nic")->check(CLI::IsMember({"lowest_local_rank", "nearest_nic"}));
+    app.add_option("--relay-policy", relay_policy, "lowest_local_rank or nearest_nic")->check(CLI::IsMember(enum_names<Topology::RelayPolicy>()));
     app.add_option("--json", json_path, "write the table as JSON");
     app.add_option("--export-xml", export_path, "write this node's hwloc XML (rank 0)");
     if (int const rc = kmoe_app::parse(app, argc, argv, rank); rc >= 0) return rc;
@@ -51,7 +51,7 @@ int main(int argc, char* argv[]) {
       spec = Setup::layout_spec(deck);
       cspec = Setup::comm_spec(deck);
     } else {
-      spec.kind = Topology::layout_kind_from_string(layout);
+      spec.kind = from_string<Topology::LayoutKind>(layout);
       spec.ranks_per_node = ranks_per_node;
       spec.node_of_rank = node_of_rank;
       spec.synthetic = synthetic;
@@ -60,14 +60,14 @@ int main(int argc, char* argv[]) {
         spec.ranks_per_node = comm_size(MPI_COMM_WORLD);
       cspec.peer_order = peer_order;
       cspec.relays_per_node = relays;
-      cspec.relay_policy = Topology::relay_policy_from_string(relay_policy);
+      cspec.relay_policy = from_string<Topology::RelayPolicy>(relay_policy);
     }
     auto topo = Topology::Topology::discover(MPI_COMM_WORLD, spec);
     Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, cspec);
     collective(MPI_COMM_WORLD, "writing the topology", [&] {
       if (rank != 0) return;
       auto const& hw = topo.node_hardware(0);
-      std::cout << Topology::to_string(topo.kind()) << " layout: " << topo.size() << " ranks on " << topo.num_nodes()
+      std::cout << to_string(topo.kind()) << " layout: " << topo.size() << " ranks on " << topo.num_nodes()
                 << " node(s); node 0: " << hw.packages << " package(s), " << hw.numa_nodes << " NUMA node(s), " << hw.cores
                 << " cores, " << hw.pus << " PUs, " << hw.gpus.size() << " GPU(s), " << hw.nics.size() << " NIC(s) ["
                 << hw.source << "]; " << comms.layout().relays_per_node << " relay(s) per node, communicator epoch "

@@ -2,14 +2,24 @@
 #define KOKKOSMOE_EXCHANGE_HANDLE_HPP
 
 /// \file KokkosMoE_Exchange_Handle.hpp
-/// \brief The dispatch handle: everything combine needs to reverse a dispatch
-/// exactly, pinned to one placement generation and one communicator epoch.
+/// \brief The dispatch handle: what one dispatch delivered (the expert-major
+/// rows this rank's experts read) and everything its combine needs to send
+/// the experts' outputs back exactly, pinned to one placement generation and
+/// one communicator epoch, with the ledger of both directions.
+///
+/// A handle is movable, not copyable: it owns the buffers of its step (the
+/// expert rows and whatever its algorithm keeps for the reverse) until it is
+/// destroyed; the exchange's workspace hands a buffer out again only when no
+/// handle holds it.
 
 #include <KokkosMoE_DispatchPlan.hpp>
+#include <KokkosMoE_Exchange_Config.hpp>
 #include <KokkosMoE_Exchange_Ledger.hpp>
 #include <KokkosMoE_PayloadBuffer.hpp>
 #include <KokkosMoE_PlacementRegistry.hpp>
+#include <KokkosMoE_RoutePlan.hpp>
 
+#include <any>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -31,27 +41,52 @@ struct StageRecord {
 };
 
 /// \brief Result of a dispatch; pass it to the same exchange's combine.
-template <class MemorySpace = Kokkos::DefaultExecutionSpace::memory_space>
+/// \tparam T type of the hidden and expert rows (float or bf16_t).
+template <class T, class MemorySpace = Kokkos::DefaultExecutionSpace::memory_space>
 struct DispatchHandle {
   using memory_space = MemorySpace;
-  std::string algorithm;
+  using value_type = T;
+
+  DispatchHandle() = default;
+  DispatchHandle(DispatchHandle const&) = delete;
+  DispatchHandle& operator=(DispatchHandle const&) = delete;
+  DispatchHandle(DispatchHandle&&) = default;
+  DispatchHandle& operator=(DispatchHandle&&) = default;
+
+  // Identity.
+  Algorithm algorithm = Algorithm::flat;
+  int wave = 0;                  ///< pooled-wave: the wave this handle moved (0 otherwise)
   std::uint64_t generation = 0;  ///< placement generation of the routes
   std::uint64_t epoch = 0;       ///< communicator epoch of the exchange
   GenerationHandle generation_ref;  ///< registry reference (empty without a registry)
-  DispatchPlan<MemorySpace> plan;   ///< source side: counts, offsets, permutation, inverse
-  /// EP-order receive split (rows from each source peer slot), identical for
-  /// every algorithm: arrived rows are in flat arrival order.
+
+  // Sender side: the plans of the step (views shared with the caller).
+  RoutePlan<MemorySpace> routes;
+  DispatchPlan<MemorySpace> plan;
+
+  // Receive side, expert-major: rows [expert_offsets[q], expert_offsets[q+1])
+  // of expert_rows are for local slot q, in (local slot, source peer, send
+  // position) order; the experts read them and write one output row each.
+  std::vector<index_t> expert_counts;   ///< [L] rows per local slot
+  std::vector<index_t> expert_offsets;  ///< [L + 1]
+  Kokkos::View<index_t*, MemorySpace> expert_offsets_d;  ///< device copy of expert_offsets
+  RowMatrix<T, MemorySpace> expert_rows;                 ///< [rows, d] decoded expert inputs
+
+  /// EP-order receive split: rows from each source peer slot (all waves of a
+  /// pooled-wave step together are this split minus drops). Flat and
+  /// hierarchical: arrived_meta holds the metadata of the arrived rows in the
+  /// flat arrival order (by source peer slot, then the source's send order)
+  /// and repack maps them to expert-major; both are empty for pooled-wave.
   std::vector<index_t> recv_counts;
-  std::vector<index_t> recv_offsets;
-  PayloadBuffer<MemorySpace> arrived;            ///< rows in arrival order
   Kokkos::View<RowMeta*, MemorySpace> arrived_meta;
-  RepackPlan<MemorySpace> repack;                ///< arrival -> expert-major
-  std::vector<StageRecord<MemorySpace>> stages;  ///< hierarchical stages
-  /// Arrival position -> position in the rows as they came off the last
-  /// stage (hierarchical); empty when arrival order is the transport order.
-  Kokkos::View<index_t*, MemorySpace> canonical_from;
-  ByteLedger ledger;  ///< this rank's moves (dispatch; combine filled by combine)
+  RepackPlan<MemorySpace> repack;
+
+  ByteLedger ledger;     ///< this rank's moves (combine's filled by combine)
   bool combined = false;
+  std::any state;        ///< the algorithm's own record for the reverse
+
+  index_t rows() const { return static_cast<index_t>(expert_rows.extent(0)); }
+  int num_local_slots() const { return static_cast<int>(expert_counts.size()); }
 };
 
 }  // namespace Exchange

@@ -13,11 +13,14 @@
 /// same rows in the same order as with the flat exchange. Combine reverses
 /// the three stages exactly. Works with one relay per node and with rail
 /// relays (relays_per_node > 1).
+///
+/// dispatch = gather_to_relay (pack straight into stage-1 order) ->
+/// relay_to_relay -> relay_scatter -> restore_flat_order (arrival metadata,
+/// repack, expert rows gathered straight from the final buffer).
+/// combine = uncanonical -> reverse_scatter -> reverse_relay -> reverse_gather.
 
-#include <KokkosMoE_Exchange_Handle.hpp>
-#include <KokkosMoE_Exchange_Transport.hpp>
-#include <KokkosMoE_Topology_Communicators.hpp>
-#include <impl/KokkosMoE_CountingSort.hpp>
+#include <KokkosMoE_CountingSort.hpp>
+#include <KokkosMoE_Exchange_Planner.hpp>
 #include <impl/KokkosMoE_Exchange_Common.hpp>
 
 #include <tuple>
@@ -25,395 +28,444 @@
 namespace KokkosMoE {
 namespace Exchange {
 
-template <class Transport = Mpi, class MemorySpace = Kokkos::DefaultExecutionSpace::memory_space>
-class HierarchicalExchange {
- public:
-  using memory_space = MemorySpace;
-  static constexpr char const* name = "hierarchical";
+template <class ExecutionSpace = Kokkos::DefaultExecutionSpace, class MemorySpace = typename ExecutionSpace::memory_space>
+class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
+  using base = Impl::ExchangeBase<ExecutionSpace, MemorySpace>;
+  using Exec = ExecutionSpace;
+  using MS = MemorySpace;
+  using meta_view = Kokkos::View<RowMeta*, MS>;
+  using index_view = Kokkos::View<index_t*, MS>;
 
-  explicit HierarchicalExchange(Topology::CommunicatorSet const& comms, TransportOptions options = {},
-                                PlacementRegistry const* registry = nullptr)
-      : comms_(&comms), options_(options), registry_(registry), transport_(comms) {
+ public:
+  static constexpr Algorithm algorithm = Algorithm::hierarchical;
+
+  /// \brief The three stages of one dispatch, kept for their reverse.
+  struct State {
+    StageRecord<MS> s1, s2, s3;
+    index_t kept = 0;           ///< stage-1 rows that stayed at this rank (relays)
+    index_view canonical_from;  ///< arrival position -> position in the final buffer
+  };
+
+  HierarchicalExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},
+                       PlacementRegistry const* registry = nullptr)
+      : base(algorithm, comms, std::move(placement), config, registry) {
     auto const& topo = comms.topology();
     int const N = topo.size();
-    int const me = comms.global_rank();
-    std::vector<int> node(static_cast<std::size_t>(N)), node_slot(static_cast<std::size_t>(N)), ep_slot(static_cast<std::size_t>(N));
+    std::vector<int> node_slot(static_cast<std::size_t>(N)), ep_slot(static_cast<std::size_t>(N));
     for (int r = 0; r < N; ++r) {
-      node[r] = topo.node_of(r);
       node_slot[r] = comms.node_local().slot_of(r);
       ep_slot[r] = comms.ep().slot_of(r);
     }
-    node_of_ = Impl::device_vector<MemorySpace>(node, "KokkosMoE::HierarchicalExchange::node_of");
-    node_slot_ = Impl::device_vector<MemorySpace>(node_slot, "KokkosMoE::HierarchicalExchange::node_slot");
-    ep_slot_ = Impl::device_vector<MemorySpace>(ep_slot, "KokkosMoE::HierarchicalExchange::ep_slot");
-    my_node_ = topo.node_of(me);
-    my_relay_ = Topology::relay_for(topo, comms.layout(), me, my_node_);
+    node_of_ = Impl::device_vector<MS>(this->node_of_rank_, "KokkosMoE::HierarchicalExchange::node_of");
+    node_slot_ = Impl::device_vector<MS>(node_slot, "KokkosMoE::HierarchicalExchange::node_slot");
+    ep_slot_ = Impl::device_vector<MS>(ep_slot, "KokkosMoE::HierarchicalExchange::ep_slot");
+    my_node_ = topo.node_of(this->me_);
+    my_relay_ = Topology::relay_for(topo, comms.layout(), this->me_, my_node_);
   }
 
-  template <class Exec>
-  DispatchHandle<MemorySpace> dispatch(Exec const& exec, Placement const& placement, DispatchPlan<MemorySpace> const& plan,
-                                       PayloadBuffer<MemorySpace> const& send, Kokkos::View<RowMeta*, MemorySpace> const& meta,
-                                       GenerationHandle ref = {}) {
-    auto const& comms = *comms_;
-    auto const& node = comms.node_local();
-    int const me = comms.global_rank();
-    auto const nor = Impl::node_of_rank(comms);
+  int waves() const { return 1; }
+
+  /// \brief Collective over the EP communicator (see FlatExchange::dispatch;
+  /// the handle is the same as the flat exchange's, rows included).
+  template <class T>
+  DispatchHandle<T, MS> dispatch(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
+                                 RowMatrix<T, MS> const& hidden, int wave = 0) {
+    auto const& comms = *this->comms_;
     Impl::Lap<Exec> lap(exec);
-    DispatchHandle<MemorySpace> h;
-    h.algorithm = name;
-    h.generation = placement.generation();
-    h.epoch = comms.epoch();
-    h.generation_ref = std::move(ref);
-    h.plan = plan;
-    h.ledger = Impl::new_ledger(name, send, 1);
+    auto h = this->template new_handle<T>(routes, plan, wave);
+    int const d = static_cast<int>(hidden.extent(1));
+    h.ledger = this->new_ledger(d);
     // One watched agreement over all ranks first: a local problem fails
     // every rank before any stage starts.
-    agree_or_throw(comms.ep(), Impl::problem_of([&] {
-                     KOKKOSMOE_REQUIRE(plan.peer_order == comms.ep().peer_order(),
-                                       "hierarchical dispatch: the dispatch plan was built for another peer order");
-                     KOKKOSMOE_REQUIRE(send.rows() == plan.rows() && static_cast<index_t>(meta.extent(0)) == plan.rows(),
-                                       "hierarchical dispatch: " << send.rows() << " packed rows and " << meta.extent(0)
-                                                                 << " metadata records for " << plan.rows() << " planned rows");
-                   }),
-                   "hierarchical dispatch", options_);
+    meta_view meta;
+    agree(comms.ep().comm(), problem_of([&] {
+            this->check_dispatch(h, hidden, waves());
+            meta = this->work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
+            pack_meta(exec, routes, plan, meta);
+          }),
+          "hierarchical dispatch", this->config_.watchdog_seconds);
+    State st;
+    auto [r1, r1_meta] = gather_to_relay(exec, st, routes, plan, hidden, meta, h.ledger, lap);
+    auto [r2, r2_meta] = relay_to_relay(exec, st, r1, r1_meta, h.ledger, lap);
+    auto [r3, r3_meta] = relay_scatter(exec, st, r2, r2_meta, h.ledger);
+    restore_flat_order(exec, st, h, r1, r1_meta, r3, r3_meta);
+    h.ledger.dispatch.stages.back().seconds = lap();  // scatter plus restoring the flat arrival order
+    h.ledger.dispatch.useful_rows = h.repack.rows();
+    h.state = std::move(st);
+    return h;
+  }
+
+  /// \brief The exact reverse of the handle's three stages; see FlatExchange::combine.
+  template <class T>
+  void combine(Exec const& exec, DispatchHandle<T, MS>& h, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& returned,
+               std::string const& local_problem = {}) {
+    auto const& comms = *this->comms_;
+    Impl::Lap<Exec> lap(exec);
+    State const* st = std::any_cast<State>(&h.state);
+    std::string problem = local_problem.empty() ? this->combine_problem(h, expert_out, returned) : local_problem;
+    if (problem.empty() && !st) problem = "hierarchical combine: the handle carries no hierarchical stages";
+    agree(comms.ep().comm(), problem, "hierarchical combine", this->config_.watchdog_seconds);
+    int const d = static_cast<int>(h.expert_rows.extent(1));
+    this->set_combine_format(h.ledger, d);
+    h.ledger.combine.stages.clear();
+    auto fin = uncanonical(exec, *st, h, expert_out);
+    auto s2_in_back = reverse_scatter(exec, *st, fin, h.ledger, lap);
+    auto s2_back = reverse_relay(exec, *st, s2_in_back, h.ledger, lap);
+    reverse_gather(exec, *st, fin, s2_back, returned, h.ledger);
+    h.ledger.combine.stages.back().seconds = lap();
+    h.ledger.combine.useful_rows = h.plan.rows();
+    h.combined = true;
+  }
+
+  static std::vector<ByteLedger> plan(PlanInput const& in) { return plan_hierarchical(in); }
+
+  // Stages. They are public only because CUDA forbids extended device
+  // lambdas inside private member functions; they are not part of the
+  // interface.
+
+  /// Stage 1: direct rows to their node-local destination, transit rows to
+  /// this rank's relay; one node-local all-to-all. The rows are packed from
+  /// hidden straight into the stage's send order.
+  template <class T>
+  std::pair<PayloadBuffer<MS>, meta_view> gather_to_relay(Exec const& exec, State& st, RoutePlan<MS> const& routes,
+                                                          DispatchPlan<MS> const& plan, RowMatrix<T, MS> const& hidden,
+                                                          meta_view const& meta, ByteLedger& ledger, Impl::Lap<Exec>& lap) {
+    auto const& node = this->comms_->node_local();
+    index_t const n0 = plan.rows();
+    int const d = static_cast<int>(hidden.extent(1));
     auto node_of = node_of_;
     auto node_slot = node_slot_;
     int const my_node = my_node_;
     int const relay_slot = node.slot_of(my_relay_);
-    int const Pn = node.size();
-
-    // Stage 1: direct rows to their node-local destination, transit rows to
-    // this rank's relay; one node-local all-to-all.
-    index_t const n0 = send.rows();
-    Kokkos::View<int*, MemorySpace> key1(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::key1"), n0);
+    auto key1 = this->work_.template vector<int>(exec, "key1", n0);
     Kokkos::parallel_for(
         "KokkosMoE::HierarchicalExchange::stage1_keys", Kokkos::RangePolicy<Exec>(exec, 0, n0), KOKKOS_LAMBDA(index_t p) {
-          int const d = meta(p).dest_rank;
-          key1(p) = node_of(d) == my_node ? node_slot(d) : relay_slot;
+          int const dst = meta(p).dest_rank;
+          key1(p) = node_of(dst) == my_node ? node_slot(dst) : relay_slot;
         });
-    auto s1 = sort_stage(exec, key1, Pn, "gather to relay + node-local direct");
-    s1.comm = 1;
-    s1.input_rows = n0;
-    auto [s1_recv, s1_recv_meta] = move_rows(exec, node, s1, send, meta, n0, "s1", "hierarchical dispatch stage 1");
-    index_t const r1 = s1_recv.rows();
+    st.s1 = sort_stage(exec, key1, node.size(), "gather to relay + node-local direct");
+    st.s1.comm = 1;
+    st.s1.input_rows = n0;
+    // Send rows: position p holds the route at plan position perm1(p).
+    auto send = payload_buffer(this->work_, exec, "s1_send", this->config_.payload, d, n0);
+    auto send_meta = this->work_.template vector<RowMeta>(exec, "s1_send_meta", n0);
     {
-      StageLedger st{s1.name, node.name()};
-      add_sends(st, s1.send_counts, node.peer_order(), me, nor, send.row_bytes(), sizeof(RowMeta));
-      // Transit rows sent to a relay other than this rank are relay traffic.
-      std::int64_t transit = transit_rows(exec, meta, n0);
-      if (my_relay_ != me) {
-        st.relay_rows += transit;
-        st.relay_bytes += transit * (send.row_bytes() + static_cast<std::int64_t>(sizeof(RowMeta)));
-      }
-      st.seconds = lap();
-      h.ledger.dispatch.stages.push_back(st);
+      auto perm1 = st.s1.send_perm;
+      auto perm = plan.perm;
+      auto token = routes.token;
+      gather_rows(exec, hidden, KOKKOS_LAMBDA(index_t p)->index_t { return token(perm(perm1(p))); }, send,
+                  "KokkosMoE::HierarchicalExchange::pack");
+      gather_records(exec, meta, perm1, send_meta, "KokkosMoE::HierarchicalExchange::pack_meta");
     }
+    auto out = exchange_stage(exec, node, st.s1, send, send_meta, n0, "s1", "hierarchical dispatch stage 1");
+    StageLedger sl{st.s1.name, node.name()};
+    add_sends(sl, st.s1.send_counts, node.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta));
+    // Transit rows sent to a relay other than this rank are relay traffic.
+    if (my_relay_ != this->me_) {
+      std::int64_t const transit = transit_rows(exec, meta, n0);
+      sl.relay_rows += transit;
+      sl.relay_bytes += transit * (send.row_bytes() + static_cast<std::int64_t>(sizeof(RowMeta)));
+    }
+    sl.seconds = lap();
+    ledger.dispatch.stages.push_back(sl);
+    return out;
+  }
 
-    // Stage 2 (relays only): transit rows to the destination node's relay of
-    // this rail; rows for this rank stay (extra bucket).
+  /// Stage 2 (relays only): transit rows to the destination node's relay of
+  /// this rail; rows for this rank stay (the last bucket of the sort).
+  std::pair<PayloadBuffer<MS>, meta_view> relay_to_relay(Exec const& exec, State& st, PayloadBuffer<MS> const& r1,
+                                                         meta_view const& r1_meta, ByteLedger& ledger, Impl::Lap<Exec>& lap) {
+    auto const& comms = *this->comms_;
+    int const me = this->me_;
     int const nodes = comms.topology().num_nodes();
-    Kokkos::View<int*, MemorySpace> key2(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::key2"), r1);
+    int const my_node = my_node_;
+    auto node_of = node_of_;
+    index_t const n1 = r1.rows();
+    auto key2 = this->work_.template vector<int>(exec, "key2", n1);
     index_t misrouted = 0;
     Kokkos::parallel_reduce(
-        "KokkosMoE::HierarchicalExchange::stage2_keys", Kokkos::RangePolicy<Exec>(exec, 0, r1),
+        "KokkosMoE::HierarchicalExchange::stage2_keys", Kokkos::RangePolicy<Exec>(exec, 0, n1),
         KOKKOS_LAMBDA(index_t p, index_t & bad) {
-          int const d = s1_recv_meta(p).dest_rank;
-          if (d == me) {
+          int const dst = r1_meta(p).dest_rank;
+          if (dst == me) {
             key2(p) = nodes;
           } else {
-            key2(p) = node_of(d);
-            if (node_of(d) == my_node) ++bad;
+            key2(p) = node_of(dst);
+            if (node_of(dst) == my_node) ++bad;
           }
         },
         misrouted);
     Compat::fence(exec, "KokkosMoE::HierarchicalExchange: stage 2 keys");
     bool const relay = comms.is_relay();
-    agree_or_throw(comms.ep(), Impl::problem_of([&] {
-                     KOKKOSMOE_REQUIRE(misrouted == 0, misrouted << " rows for ranks of this node arrived at rank " << me << " as transit");
-                   }),
-                   "hierarchical relay check", options_);
-    auto s2 = sort_stage(exec, key2, nodes + 1, "relay to relay");
-    s2.comm = 2;
-    s2.input_rows = r1;
-    index_t const kept = s2.send_counts.back();
-    s2.send_counts.pop_back();
-    index_t const transit_out = r1 - kept;
-    agree_or_throw(comms.ep(), Impl::problem_of([&] {
-                     KOKKOSMOE_REQUIRE(relay || transit_out == 0,
-                                       transit_out << " transit rows arrived at rank " << me << ", which is not a relay");
-                   }),
-                   "hierarchical relay check", options_);
-    PayloadBuffer<MemorySpace> s2_recv;  // rows from other relays (relays only)
-    s2_recv.type = send.type;
-    s2_recv.width = send.width;
-    Kokkos::View<RowMeta*, MemorySpace> s2_recv_meta;
-    {
-      StageLedger st{s2.name, relay ? comms.relay().name() : std::string("-")};
-      if (relay) {
-        auto const& rc = comms.relay();
-        std::tie(s2_recv, s2_recv_meta) =
-            move_rows(exec, rc, s2, s1_recv, s1_recv_meta, transit_out, "s2", "hierarchical dispatch stage 2");
-        add_sends(st, s2.send_counts, rc.peer_order(), me, nor, send.row_bytes(), sizeof(RowMeta));
-      }
-      st.seconds = lap();
-      h.ledger.dispatch.stages.push_back(st);
+    st.s2 = sort_stage(exec, key2, nodes + 1, "relay to relay");
+    st.s2.comm = 2;
+    st.s2.input_rows = n1;
+    st.kept = st.s2.send_counts.back();
+    st.s2.send_counts.pop_back();
+    index_t const transit_out = n1 - st.kept;
+    agree(comms.ep().comm(), problem_of([&] {
+            KOKKOSMOE_REQUIRE(misrouted == 0, misrouted << " rows for ranks of this node arrived at rank " << me << " as transit");
+            KOKKOSMOE_REQUIRE(relay || transit_out == 0, transit_out << " transit rows arrived at rank " << me << ", which is not a relay");
+          }),
+          "hierarchical relay check", this->config_.watchdog_seconds);
+    std::pair<PayloadBuffer<MS>, meta_view> out;  // rows from other relays (relays only)
+    out.first.type = r1.type;
+    out.first.width = r1.width;
+    StageLedger sl{st.s2.name, relay ? comms.relay().name() : std::string("-")};
+    if (relay) {
+      auto const& rc = comms.relay();
+      auto [send, send_meta] = permuted(exec, r1, r1_meta, st.s2.send_perm, transit_out, "s2_send");
+      out = exchange_stage(exec, rc, st.s2, send, send_meta, transit_out, "s2", "hierarchical dispatch stage 2");
+      add_sends(sl, st.s2.send_counts, rc.peer_order(), me, this->node_of_rank_, r1.row_bytes(), sizeof(RowMeta));
     }
+    sl.seconds = lap();
+    ledger.dispatch.stages.push_back(sl);
+    return out;
+  }
 
-    // Stage 3: relays scatter to the final ranks of their node.
-    index_t const n3 = s2_recv.rows();
-    Kokkos::View<int*, MemorySpace> key3(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::key3"), n3);
+  /// Stage 3: relays scatter to the final ranks of their node.
+  std::pair<PayloadBuffer<MS>, meta_view> relay_scatter(Exec const& exec, State& st, PayloadBuffer<MS> const& r2,
+                                                        meta_view const& r2_meta, ByteLedger& ledger) {
+    auto const& comms = *this->comms_;
+    auto const& node = comms.node_local();
+    int const me = this->me_;
+    int const my_node = my_node_;
+    auto node_of = node_of_;
+    auto node_slot = node_slot_;
+    index_t const n2 = r2.rows();
+    auto key3 = this->work_.template vector<int>(exec, "key3", n2);
     index_t foreign = 0;
     Kokkos::parallel_reduce(
-        "KokkosMoE::HierarchicalExchange::stage3_keys", Kokkos::RangePolicy<Exec>(exec, 0, n3),
+        "KokkosMoE::HierarchicalExchange::stage3_keys", Kokkos::RangePolicy<Exec>(exec, 0, n2),
         KOKKOS_LAMBDA(index_t p, index_t & bad) {
-          int const d = s2_recv_meta(p).dest_rank;
-          key3(p) = node_of(d) == my_node ? node_slot(d) : 0;
-          if (node_of(d) != my_node) ++bad;
+          int const dst = r2_meta(p).dest_rank;
+          key3(p) = node_of(dst) == my_node ? node_slot(dst) : 0;
+          if (node_of(dst) != my_node) ++bad;
         },
         foreign);
     Compat::fence(exec, "KokkosMoE::HierarchicalExchange: stage 3 keys");
-    agree_or_throw(comms.ep(), Impl::problem_of([&] {
-                     KOKKOSMOE_REQUIRE(foreign == 0, foreign << " rows for other nodes reached relay " << me << " of node " << my_node);
-                   }),
-                   "hierarchical relay check", options_);
-    auto s3 = sort_stage(exec, key3, Pn, "relay scatter");
-    s3.comm = 1;
-    s3.input_rows = n3;
-    auto [s3_recv, s3_recv_meta] = move_rows(exec, node, s3, s2_recv, s2_recv_meta, n3, "s3", "hierarchical dispatch stage 3");
-    index_t const r3 = s3_recv.rows();
-    {
-      StageLedger st{s3.name, node.name()};
-      add_sends(st, s3.send_counts, node.peer_order(), me, nor, send.row_bytes(), sizeof(RowMeta));
-      std::int64_t moved = 0;
-      for (int p = 0; p < Pn; ++p)
-        if (node.global_rank(p) != me) moved += s3.send_counts[p];
-      st.relay_rows += moved;
-      st.relay_bytes += moved * (send.row_bytes() + static_cast<std::int64_t>(sizeof(RowMeta)));
-      h.ledger.dispatch.stages.push_back(st);
-    }
-    auto& scatter_stage = h.ledger.dispatch.stages.back();
+    agree(comms.ep().comm(), problem_of([&] {
+            KOKKOSMOE_REQUIRE(foreign == 0, foreign << " rows for other nodes reached relay " << me << " of node " << my_node);
+          }),
+          "hierarchical relay check", this->config_.watchdog_seconds);
+    st.s3 = sort_stage(exec, key3, node.size(), "relay scatter");
+    st.s3.comm = 1;
+    st.s3.input_rows = n2;
+    auto [send, send_meta] = permuted(exec, r2, r2_meta, st.s3.send_perm, n2, "s3_send");
+    auto out = exchange_stage(exec, node, st.s3, send, send_meta, n2, "s3", "hierarchical dispatch stage 3");
+    StageLedger sl{st.s3.name, node.name()};
+    add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta));
+    std::int64_t moved = 0;
+    for (int p = 0; p < node.size(); ++p)
+      if (node.global_rank(p) != me) moved += st.s3.send_counts[p];
+    sl.relay_rows += moved;
+    sl.relay_bytes += moved * (r2.row_bytes() + static_cast<std::int64_t>(sizeof(RowMeta)));
+    ledger.dispatch.stages.push_back(sl);
+    return out;
+  }
 
-    // Final rows: stage-1 rows kept here (send order of stage 2's last
-    // bucket), then stage-3 arrivals; restore the flat arrival order by a
-    // stable sort on the origin's EP peer slot.
-    index_t const nf = kept + r3;
-    auto fin = work_.payload(exec, "final", send.type, send.width, nf);
-    auto fin_meta = work_.meta(exec, "final_meta", nf);
+  /// Final rows: stage-1 rows kept here (stage 2's last bucket, in its send
+  /// order), then stage-3 arrivals. The flat arrival order is a stable sort
+  /// on the origin's EP peer slot; the arrival metadata, the repack and the
+  /// expert rows (gathered from the final buffer through both permutations,
+  /// in one pass) follow from it.
+  template <class T>
+  void restore_flat_order(Exec const& exec, State& st, DispatchHandle<T, MS>& h, PayloadBuffer<MS> const& r1,
+                          meta_view const& r1_meta, PayloadBuffer<MS> const& r3, meta_view const& r3_meta) {
+    auto const& comms = *this->comms_;
+    index_t const kept = st.kept;
+    index_t const transit_out = r1.rows() - kept;
+    index_t const n3 = r3.rows();
+    index_t const nf = kept + n3;
+    int const d = r1.width;
+    auto fin = payload_buffer(this->work_, exec, "final", this->config_.payload, d, nf);
+    auto fin_meta = this->work_.template vector<RowMeta>(exec, "final_meta", nf);
     {
-      auto perm2 = s2.send_perm;
+      auto perm2 = st.s2.send_perm;
       auto from_kept = KOKKOS_LAMBDA(index_t p)->index_t { return perm2(transit_out + p); };
-      PayloadBuffer<MemorySpace> kept_rows = prefix(fin, kept);
-      gather_rows(exec, s1_recv, from_kept, kept_rows, "KokkosMoE::HierarchicalExchange::final_kept");
-      Impl::gather_meta(exec, s1_recv_meta, from_kept, Kokkos::subview(fin_meta, std::pair<index_t, index_t>(0, kept)),
-                        "KokkosMoE::HierarchicalExchange::final_kept_meta");
-      copy_row_range(exec, fin.bytes, kept, s3_recv.bytes, 0, r3);
-      copy_row_range(exec, as_rows(fin_meta), kept, as_rows(s3_recv_meta), 0, r3);
+      auto kept_rows = prefix(fin, kept);
+      gather_rows(exec, r1, from_kept, kept_rows, "KokkosMoE::HierarchicalExchange::final_kept");
+      gather_records(exec, r1_meta, from_kept, Kokkos::subview(fin_meta, std::pair<index_t, index_t>(0, kept)),
+                     "KokkosMoE::HierarchicalExchange::final_kept_meta");
+      copy_row_range(exec, fin.bytes, kept, r3.bytes, 0, n3);
+      copy_row_range(exec, as_rows(fin_meta), kept, as_rows(r3_meta), 0, n3);
     }
     auto ep_slot = ep_slot_;
     int const P = comms.ep().size();
-    Kokkos::View<int*, MemorySpace> keyc(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::keyc"), nf);
+    auto keyc = this->work_.template vector<int>(exec, "keyc", nf);
     Kokkos::parallel_for(
         "KokkosMoE::HierarchicalExchange::origin_keys", Kokkos::RangePolicy<Exec>(exec, 0, nf),
         KOKKOS_LAMBDA(index_t p) { keyc(p) = ep_slot(fin_meta(p).origin_rank); });
-    h.canonical_from = Kokkos::View<index_t*, MemorySpace>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::canonical_from"), nf);
-    Kokkos::View<index_t*, MemorySpace> origin_offsets("KokkosMoE::Hier::origin_offsets", P + 1);
-    KokkosMoE::Impl::stable_counting_sort(exec, keyc, P, h.canonical_from, origin_offsets, "KokkosMoE::HierarchicalExchange::canonical");
-    h.arrived = work_.payload(exec, "hier_arrived", send.type, send.width, nf);
-    h.arrived_meta = work_.meta(exec, "hier_arrived_meta", nf);
-    auto cf = h.canonical_from;
-    gather_rows(exec, fin, KOKKOS_LAMBDA(index_t p)->index_t { return cf(p); }, h.arrived, "KokkosMoE::HierarchicalExchange::canonical_rows");
-    Impl::gather_meta(exec, fin_meta, KOKKOS_LAMBDA(index_t p)->index_t { return cf(p); }, h.arrived_meta,
-                      "KokkosMoE::HierarchicalExchange::canonical_meta");
-    auto ho = Impl::host_vector(origin_offsets);
-    h.recv_offsets.assign(ho.begin(), ho.end());
+    st.canonical_from = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::canonical_from"), nf);
+    index_view origin_offsets("KokkosMoE::Hier::origin_offsets", P + 1);
+    stable_counting_sort(exec, keyc, P, st.canonical_from, origin_offsets, "KokkosMoE::HierarchicalExchange::canonical");
+    auto cf = st.canonical_from;
+    h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", nf);
+    gather_records(exec, fin_meta, cf, h.arrived_meta, "KokkosMoE::HierarchicalExchange::canonical_meta");
+    auto const ho = Impl::host_vector(origin_offsets);
     h.recv_counts.resize(static_cast<std::size_t>(P));
-    for (int p = 0; p < P; ++p) h.recv_counts[p] = h.recv_offsets[p + 1] - h.recv_offsets[p];
-    s2.input_rows = kept;  // rows kept at this rank come first in the final buffer
-    h.stages = {s1, s2, s3};
-    agree_or_throw(comms.ep(), Impl::problem_of([&] { h.repack = make_repack_plan(exec, h.arrived_meta, placement, me); }),
-                   "hierarchical dispatch repack", options_);
-    scatter_stage.seconds = lap();  // scatter plus restoring the flat arrival order
-    h.ledger.dispatch.useful_rows = nf;
-    last_generation_ = h.generation;
-    return h;
+    for (int p = 0; p < P; ++p) h.recv_counts[p] = ho[p + 1] - ho[p];
+    agree(comms.ep().comm(), problem_of([&] {
+            h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
+            this->set_expert_rows(exec, h, h.repack.slot_counts, d);
+            gather_expert_rows(exec, fin, cf, h.repack.perm, h.expert_rows);
+          }),
+          "hierarchical dispatch repack", this->config_.watchdog_seconds);
   }
 
-  /// \brief The exact reverse of the handle's three stages; see FlatExchange::combine.
-  template <class Exec>
-  PayloadBuffer<MemorySpace> combine(Exec const& exec, DispatchHandle<MemorySpace>& h, PayloadBuffer<MemorySpace> const& back,
-                                     std::string const& local_problem = {}) {
-    auto const& comms = *comms_;
-    auto const& node = comms.node_local();
-    int const me = comms.global_rank();
-    auto const nor = Impl::node_of_rank(comms);
-    Impl::Lap<Exec> lap(exec);
-    agree_or_throw(comms.ep(),
-                   local_problem.empty() ? Impl::handle_problem(comms, h, name, back.rows(), registry_, last_generation_) : local_problem,
-                   "hierarchical combine", options_);
-    auto const& s1 = h.stages[0];
-    auto const& s2 = h.stages[1];
-    auto const& s3 = h.stages[2];
-    PayloadType const type = back.type;
-    int const width = back.width;
-    index_t const kept = s2.input_rows;
-    index_t const nf = back.rows();
-    index_t const r3 = nf - kept;
-    h.ledger.combine_payload = to_string(type);
-    h.ledger.combine_row_bytes = back.row_bytes();
-    h.ledger.combine.stages.clear();
+  /// expert_rows(q) = decode(fin(cf(perm(q)))): arrival order and repack in one pass.
+  template <class T>
+  static void gather_expert_rows(Exec const& exec, PayloadBuffer<MS> const& fin, index_view const& cf, index_view const& perm,
+                                 RowMatrix<T, MS> const& expert_rows) {
+    gather_rows(exec, fin, KOKKOS_LAMBDA(index_t q)->index_t { return cf(perm(q)); }, expert_rows,
+                "KokkosMoE::HierarchicalExchange::expert_rows");
+  }
 
-    // Undo the canonical order: final-buffer row cf(p) = back row p.
-    auto fin = work_.payload(exec, "combine_final", type, width, nf);
-    auto cf = h.canonical_from;
-    Impl::scatter_rows(exec, back, KOKKOS_LAMBDA(index_t p)->index_t { return cf(p); }, fin, "KokkosMoE::HierarchicalExchange::uncanonical");
+  /// Expert outputs into the final buffer's order (return payload), through
+  /// the repack and the canonical order in one pass.
+  template <class T>
+  PayloadBuffer<MS> uncanonical(Exec const& exec, State const& st, DispatchHandle<T, MS> const& h,
+                                RowMatrix<T, MS> const& expert_out) {
+    int const d = static_cast<int>(h.expert_rows.extent(1));
+    auto fin = payload_buffer(this->work_, exec, "combine_final", this->config_.return_payload, d, h.rows());
+    auto cf = st.canonical_from;
+    auto perm = h.repack.perm;
+    scatter_rows(exec, expert_out, KOKKOS_LAMBDA(index_t q)->index_t { return cf(perm(q)); }, fin,
+                 "KokkosMoE::HierarchicalExchange::uncanonical");
+    return fin;
+  }
 
-    // Reverse stage 3: final ranks return stage-3 rows to their relays.
-    auto s3_back = work_.payload(exec, "s3_back", type, width, total(s3.send_counts));
-    {
-      auto agreed = agree_counts(node, s3.recv_counts, r3, &s3.send_counts, "hierarchical combine stage 3 counts", options_);
-      (void)agreed;
-      auto src = suffix(fin, kept);
-      transport_.alltoallv(exec, node, {RowSet<MemorySpace>{src.bytes, s3_back.bytes}}, s3.recv_counts, s3.send_counts,
-                     "hierarchical combine stage 3 rows", options_);
-      StageLedger st{"relay gather (reverse of relay scatter)", node.name()};
-      add_sends(st, s3.recv_counts, node.peer_order(), me, nor, back.row_bytes(), 0);
-      st.seconds = lap();
-      h.ledger.combine.stages.push_back(st);
+  /// Reverse of stage 3: final ranks return stage-3 rows to their relays,
+  /// which put them back in stage-2 arrival order.
+  PayloadBuffer<MS> reverse_scatter(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, ByteLedger& ledger,
+                                    Impl::Lap<Exec>& lap) {
+    auto const& node = this->comms_->node_local();
+    auto const& s3 = st.s3;
+    index_t const r3 = fin.rows() - st.kept;
+    auto s3_back = payload_buffer(this->work_, exec, "s3_back", fin.type, fin.width, Impl::total(s3.send_counts));
+    agree_counts(node, s3.recv_counts, r3, &s3.send_counts, "hierarchical combine stage 3 counts", this->options());
+    auto src = suffix(fin, st.kept);
+    this->transport_->alltoallv(exec, node, {RowSet<MS>{src.bytes, s3_back.bytes}}, s3.recv_counts, s3.send_counts,
+                                "hierarchical combine stage 3 rows", this->options());
+    StageLedger sl{"relay gather (reverse of relay scatter)", node.name()};
+    add_sends(sl, s3.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0);
+    sl.seconds = lap();
+    ledger.combine.stages.push_back(sl);
+    auto s2_in_back = payload_buffer(this->work_, exec, "s2_in_back", fin.type, fin.width, s3.input_rows);
+    auto perm3 = s3.send_perm;
+    scatter_rows(exec, s3_back, perm3, s2_in_back, "KokkosMoE::HierarchicalExchange::unpermute3");
+    return s2_in_back;
+  }
+
+  /// Reverse of stage 2 between relays.
+  PayloadBuffer<MS> reverse_relay(Exec const& exec, State const& st, PayloadBuffer<MS> const& s2_in_back, ByteLedger& ledger,
+                                  Impl::Lap<Exec>& lap) {
+    auto const& comms = *this->comms_;
+    auto const& s2 = st.s2;
+    index_t const transit_out = Impl::total(st.s1.recv_counts) - st.kept;
+    auto s2_back = payload_buffer(this->work_, exec, "s2_back", s2_in_back.type, s2_in_back.width, transit_out);
+    StageLedger sl{"relay to relay (reverse)", comms.is_relay() ? comms.relay().name() : std::string("-")};
+    if (comms.is_relay()) {
+      auto const& rc = comms.relay();
+      agree_counts(rc, s2.recv_counts, s2_in_back.rows(), &s2.send_counts, "hierarchical combine stage 2 counts", this->options());
+      this->transport_->alltoallv(exec, rc, {RowSet<MS>{s2_in_back.bytes, s2_back.bytes}}, s2.recv_counts, s2.send_counts,
+                                  "hierarchical combine stage 2 rows", this->options());
+      add_sends(sl, s2.recv_counts, rc.peer_order(), this->me_, this->node_of_rank_, s2_in_back.row_bytes(), 0);
     }
-    // Undo stage 3's permutation: relay rows back in stage-2 arrival order.
-    auto s2_in_back = work_.payload(exec, "s2_in_back", type, width, s3.input_rows);
+    sl.seconds = lap();
+    ledger.combine.stages.push_back(sl);
+    return s2_back;
+  }
+
+  /// Reverse of stage 1: stage-1 arrival order rebuilt (transit rows from
+  /// stage 2, kept rows from the final buffer), back to the origins, then
+  /// into the plan's send order in the caller's return buffer.
+  void reverse_gather(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, PayloadBuffer<MS> const& s2_back,
+                      PayloadBuffer<MS> const& returned, ByteLedger& ledger) {
+    auto const& node = this->comms_->node_local();
+    auto const& s1 = st.s1;
+    index_t const kept = st.kept;
+    index_t const transit_out = s2_back.rows();
+    index_t const r1 = Impl::total(s1.recv_counts);
+    auto s1_recv_back = payload_buffer(this->work_, exec, "s1_recv_back", fin.type, fin.width, r1);
     {
-      auto perm3 = s3.send_perm;
-      Impl::scatter_rows(exec, s3_back, KOKKOS_LAMBDA(index_t p)->index_t { return perm3(p); }, s2_in_back,
-                         "KokkosMoE::HierarchicalExchange::unpermute3");
-    }
-    // Reverse stage 2 between relays.
-    index_t const transit_out = s1.recv_counts.empty() ? 0 : total(s1.recv_counts) - kept;
-    auto s2_back = work_.payload(exec, "s2_back", type, width, transit_out);
-    {
-      StageLedger st{"relay to relay (reverse)", comms.is_relay() ? comms.relay().name() : std::string("-")};
-      if (comms.is_relay()) {
-        auto const& rc = comms.relay();
-        agree_counts(rc, s2.recv_counts, s2_in_back.rows(), &s2.send_counts, "hierarchical combine stage 2 counts", options_);
-        transport_.alltoallv(exec, rc, {RowSet<MemorySpace>{s2_in_back.bytes, s2_back.bytes}}, s2.recv_counts, s2.send_counts,
-                       "hierarchical combine stage 2 rows", options_);
-        add_sends(st, s2.recv_counts, rc.peer_order(), me, nor, back.row_bytes(), 0);
-      }
-      st.seconds = lap();
-      h.ledger.combine.stages.push_back(st);
-    }
-    // Rebuild stage-1 arrival order: transit rows from stage 2, kept rows from
-    // the final buffer (stage 2's send order put transit first, kept last).
-    index_t const r1 = total(s1.recv_counts);
-    auto s1_recv_back = work_.payload(exec, "s1_recv_back", type, width, r1);
-    {
-      auto perm2 = s2.send_perm;
-      Impl::scatter_rows(exec, s2_back, KOKKOS_LAMBDA(index_t p)->index_t { return perm2(p); }, s1_recv_back,
-                         "KokkosMoE::HierarchicalExchange::unpermute2_transit");
+      auto perm2 = st.s2.send_perm;
+      scatter_rows(exec, s2_back, perm2, s1_recv_back, "KokkosMoE::HierarchicalExchange::unpermute2_transit");
       auto kept_rows = prefix(fin, kept);
-      Impl::scatter_rows(exec, kept_rows, KOKKOS_LAMBDA(index_t p)->index_t { return perm2(transit_out + p); }, s1_recv_back,
-                         "KokkosMoE::HierarchicalExchange::unpermute2_kept");
+      scatter_rows(exec, kept_rows, KOKKOS_LAMBDA(index_t p)->index_t { return perm2(transit_out + p); }, s1_recv_back,
+                   "KokkosMoE::HierarchicalExchange::unpermute2_kept");
     }
-    // Reverse stage 1: everything back to the origins, then undo the permutation.
-    auto s1_back = work_.payload(exec, "s1_back", type, width, s1.input_rows);
-    {
-      agree_counts(node, s1.recv_counts, r1, &s1.send_counts, "hierarchical combine stage 1 counts", options_);
-      transport_.alltoallv(exec, node, {RowSet<MemorySpace>{s1_recv_back.bytes, s1_back.bytes}}, s1.recv_counts, s1.send_counts,
-                     "hierarchical combine stage 1 rows", options_);
-      StageLedger st{"return from relay + node-local direct", node.name()};
-      add_sends(st, s1.recv_counts, node.peer_order(), me, nor, back.row_bytes(), 0);
-      h.ledger.combine.stages.push_back(st);
-    }
-    auto& return_stage = h.ledger.combine.stages.back();
+    auto s1_back = payload_buffer(this->work_, exec, "s1_back", fin.type, fin.width, s1.input_rows);
+    agree_counts(node, s1.recv_counts, r1, &s1.send_counts, "hierarchical combine stage 1 counts", this->options());
+    this->transport_->alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, s1_back.bytes}}, s1.recv_counts, s1.send_counts,
+                                "hierarchical combine stage 1 rows", this->options());
+    StageLedger sl{"return from relay + node-local direct", node.name()};
+    add_sends(sl, s1.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0);
+    ledger.combine.stages.push_back(sl);
     // The reverse stages move the same relay rows as their dispatch mirrors
     // (attributed to this rank's dispatch role; sums over ranks agree).
-    auto const& d = h.ledger.dispatch.stages;
-    auto& c = h.ledger.combine.stages;
-    for (std::size_t i = 0; i < c.size() && i < d.size(); ++i) {
-      c[i].relay_rows = d[d.size() - 1 - i].relay_rows;
-      c[i].relay_bytes = c[i].relay_rows * back.row_bytes();
+    auto const& dl = ledger.dispatch.stages;
+    auto& cl = ledger.combine.stages;
+    for (std::size_t i = 0; i < cl.size() && i < dl.size(); ++i) {
+      cl[i].relay_rows = dl[dl.size() - 1 - i].relay_rows;
+      cl[i].relay_bytes = cl[i].relay_rows * fin.row_bytes();
     }
-    auto returned = work_.payload(exec, "hier_returned", type, width, s1.input_rows);
     auto perm1 = s1.send_perm;
-    Impl::scatter_rows(exec, s1_back, KOKKOS_LAMBDA(index_t p)->index_t { return perm1(p); }, returned,
-                       "KokkosMoE::HierarchicalExchange::unpermute1");
-    return_stage.seconds = lap();
-    h.ledger.combine.useful_rows = h.plan.rows();
-    h.combined = true;
-    return returned;
-  }
-
-  Topology::CommunicatorSet const& communicators() const { return *comms_; }
-
-  // Implementation helpers. They are public only because CUDA forbids
-  // extended device lambdas inside private member functions.
-  static index_t total(std::vector<index_t> const& v) {
-    index_t t = 0;
-    for (auto x : v) t += x;
-    return t;
+    scatter_rows(exec, s1_back, perm1, returned, "KokkosMoE::HierarchicalExchange::unpermute1");
   }
 
   /// Stable sort of a stage's rows by destination key; the record's send
   /// counts are the key buckets.
-  template <class Exec>
-  StageRecord<MemorySpace> sort_stage(Exec const& exec, Kokkos::View<int*, MemorySpace> const& keys, int num_keys,
-                                      char const* stage_name) {
-    StageRecord<MemorySpace> s;
+  StageRecord<MS> sort_stage(Exec const& exec, Kokkos::View<int*, MS> const& keys, int num_keys, char const* stage_name) {
+    StageRecord<MS> s;
     s.name = stage_name;
-    s.send_perm = Kokkos::View<index_t*, MemorySpace>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::perm"),
-                                                      keys.extent(0));
-    Kokkos::View<index_t*, MemorySpace> off("KokkosMoE::Hier::offsets", num_keys + 1);
-    KokkosMoE::Impl::stable_counting_sort(exec, keys, num_keys, s.send_perm, off, "KokkosMoE::HierarchicalExchange::sort");
-    auto ho = Impl::host_vector(off);
+    s.send_perm = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::perm"), keys.extent(0));
+    index_view off("KokkosMoE::Hier::offsets", num_keys + 1);
+    stable_counting_sort(exec, keys, num_keys, s.send_perm, off, "KokkosMoE::HierarchicalExchange::sort");
+    auto const ho = Impl::host_vector(off);
     s.send_counts.resize(static_cast<std::size_t>(num_keys));
     for (int k = 0; k < num_keys; ++k) s.send_counts[k] = ho[k + 1] - ho[k];
     return s;
   }
 
   /// Rows and metadata gathered into send order (first `count` positions).
-  template <class Exec>
-  std::pair<PayloadBuffer<MemorySpace>, Kokkos::View<RowMeta*, MemorySpace>> permuted(
-      Exec const& exec, PayloadBuffer<MemorySpace> const& rows, Kokkos::View<RowMeta*, MemorySpace> const& meta,
-      Kokkos::View<index_t*, MemorySpace> const& perm, index_t count, std::string const& key) {
-    auto out = work_.payload(exec, key, rows.type, rows.width, count);
-    auto out_meta = work_.meta(exec, key + "_meta", count);
-    gather_rows(exec, rows, KOKKOS_LAMBDA(index_t p)->index_t { return perm(p); }, out, "KokkosMoE::HierarchicalExchange::permute");
-    Impl::gather_meta(exec, meta, KOKKOS_LAMBDA(index_t p)->index_t { return perm(p); }, out_meta,
-                      "KokkosMoE::HierarchicalExchange::permute_meta");
+  std::pair<PayloadBuffer<MS>, meta_view> permuted(Exec const& exec, PayloadBuffer<MS> const& rows, meta_view const& meta,
+                                                   index_view const& perm, index_t count, std::string const& key) {
+    auto out = payload_buffer(this->work_, exec, key, rows.type, rows.width, count);
+    auto out_meta = this->work_.template vector<RowMeta>(exec, key + "_meta", count);
+    gather_rows(exec, rows, perm, out, "KokkosMoE::HierarchicalExchange::permute");
+    gather_records(exec, meta, perm, out_meta, "KokkosMoE::HierarchicalExchange::permute_meta");
     return {out, out_meta};
   }
 
-  /// One dispatch stage's transport: the first `count` rows of the stage's
-  /// sorted order (rows and metadata) go to their peers of comm after the
-  /// counts are agreed; returns what arrived and records the receive counts.
-  template <class Exec>
-  std::pair<PayloadBuffer<MemorySpace>, Kokkos::View<RowMeta*, MemorySpace>> move_rows(
-      Exec const& exec, Topology::Communicator const& comm, StageRecord<MemorySpace>& stage, PayloadBuffer<MemorySpace> const& rows,
-      Kokkos::View<RowMeta*, MemorySpace> const& meta, index_t count, std::string const& key, std::string const& what) {
-    auto [out, out_meta] = permuted(exec, rows, meta, stage.send_perm, count, key + "_send");
-    stage.recv_counts = agree_counts(comm, stage.send_counts, count, nullptr, (what + " counts").c_str(), options_).recv;
-    index_t const n = total(stage.recv_counts);
-    auto recv = work_.payload(exec, key + "_recv", rows.type, rows.width, n);
-    auto recv_meta = work_.meta(exec, key + "_recv_meta", n);
-    transport_.alltoallv(exec, comm, {RowSet<MemorySpace>{out.bytes, recv.bytes}, RowSet<MemorySpace>{as_rows(out_meta), as_rows(recv_meta)}},
-                         stage.send_counts, stage.recv_counts, (what + " rows").c_str(), options_);
+  /// One dispatch stage's transport: the rows and metadata in the stage's
+  /// send order go to their peers of comm after the counts are agreed;
+  /// returns what arrived and records the receive counts.
+  std::pair<PayloadBuffer<MS>, meta_view> exchange_stage(Exec const& exec, Topology::Communicator const& comm, StageRecord<MS>& stage,
+                                                         PayloadBuffer<MS> const& send, meta_view const& send_meta, index_t count,
+                                                         std::string const& key, std::string const& what) {
+    stage.recv_counts = agree_counts(comm, stage.send_counts, count, nullptr, (what + " counts").c_str(), this->options()).recv;
+    index_t const n = Impl::total(stage.recv_counts);
+    auto recv = payload_buffer(this->work_, exec, key + "_recv", send.type, send.width, n);
+    auto recv_meta = this->work_.template vector<RowMeta>(exec, key + "_recv_meta", n);
+    this->transport_->alltoallv(exec, comm, {RowSet<MS>{send.bytes, recv.bytes}, RowSet<MS>{as_rows(send_meta), as_rows(recv_meta)}},
+                                stage.send_counts, stage.recv_counts, (what + " rows").c_str(), this->options());
     return {recv, recv_meta};
   }
 
-  static PayloadBuffer<MemorySpace> prefix(PayloadBuffer<MemorySpace> const& b, index_t n) {
-    PayloadBuffer<MemorySpace> p = b;
+  static PayloadBuffer<MS> prefix(PayloadBuffer<MS> const& b, index_t n) {
+    PayloadBuffer<MS> p = b;
     p.bytes = Kokkos::subview(b.bytes, std::pair<index_t, index_t>(0, n), Kokkos::ALL);
     return p;
   }
-  static PayloadBuffer<MemorySpace> suffix(PayloadBuffer<MemorySpace> const& b, index_t from) {
-    PayloadBuffer<MemorySpace> p = b;
+  static PayloadBuffer<MS> suffix(PayloadBuffer<MS> const& b, index_t from) {
+    PayloadBuffer<MS> p = b;
     p.bytes = Kokkos::subview(b.bytes, std::pair<index_t, index_t>(from, b.rows()), Kokkos::ALL);
     return p;
   }
 
   /// Transit rows (destination on another node) among the first n of meta.
-  template <class Exec>
-  std::int64_t transit_rows(Exec const& exec, Kokkos::View<RowMeta*, MemorySpace> const& meta, index_t n) const {
+  std::int64_t transit_rows(Exec const& exec, meta_view const& meta, index_t n) const {
     auto node_of = node_of_;
     int const my_node = my_node_;
     std::int64_t t = 0;
@@ -425,15 +477,15 @@ class HierarchicalExchange {
   }
 
  private:
-  Topology::CommunicatorSet const* comms_;
-  TransportOptions options_;
-  PlacementRegistry const* registry_;
-  std::uint64_t last_generation_ = 0;
-  Kokkos::View<int*, MemorySpace> node_of_, node_slot_, ep_slot_;
-  Impl::Workspace<MemorySpace> work_;
-  TransportContext<Transport, MemorySpace> transport_;
+  Kokkos::View<int*, MS> node_of_, node_slot_, ep_slot_;
   int my_node_ = -1;
   int my_relay_ = -1;
+};
+
+template <>
+struct AlgorithmClass<Algorithm::hierarchical> {
+  template <class Exec, class MS>
+  using type = HierarchicalExchange<Exec, MS>;
 };
 
 }  // namespace Exchange

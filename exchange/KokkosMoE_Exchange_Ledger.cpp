@@ -13,15 +13,6 @@ namespace Exchange {
 
 using json = nlohmann::json;
 
-char const* to_string(LinkClass c) {
-  switch (c) {
-    case LinkClass::same_rank: return "same_rank";
-    case LinkClass::intra_node: return "intra_node";
-    case LinkClass::inter_node: return "inter_node";
-  }
-  return "unknown";
-}
-
 ClassCounts StageLedger::total() const {
   ClassCounts t;
   for (auto const& c : by_class) {
@@ -162,6 +153,26 @@ void ByteLedger::accumulate(ByteLedger const& other) {
   KOKKOSMOE_REQUIRE(algorithm == other.algorithm, "cannot add a " << other.algorithm << " ledger to a " << algorithm << " ledger");
   accumulate_direction(dispatch, other.dispatch);
   accumulate_direction(combine, other.combine);
+}
+
+void ByteLedger::append(ByteLedger const& next) {
+  if (algorithm.empty()) {
+    *this = next;
+    return;
+  }
+  KOKKOSMOE_REQUIRE(algorithm == next.algorithm && payload == next.payload && width == next.width,
+                    "cannot append a " << next.algorithm << " ledger of " << next.payload << "/" << next.width << " to a "
+                                       << algorithm << " ledger of " << payload << "/" << width);
+  for (auto [into, from] : {std::make_pair(&dispatch, &next.dispatch), std::make_pair(&combine, &next.combine)}) {
+    into->stages.insert(into->stages.end(), from->stages.begin(), from->stages.end());
+    into->useful_rows += from->useful_rows;
+    into->sender_drops += from->sender_drops;
+    into->receiver_drops += from->receiver_drops;
+  }
+  if (combine_payload.empty()) {
+    combine_payload = next.combine_payload;
+    combine_row_bytes = next.combine_row_bytes;
+  }
 }
 
 ByteLedger ByteLedger::reduced(MPI_Comm comm) const {

@@ -6,6 +6,8 @@
 /// split by link class (same rank, intra-node, inter-node). These are logical
 /// bytes of the declared row representation, never converted into time.
 
+#include <KokkosMoE_EnumNames.hpp>
+
 #include <mpi.h>
 
 #include <array>
@@ -19,7 +21,14 @@ namespace Exchange {
 /// \brief Where a row goes relative to its sender.
 enum class LinkClass : int { same_rank = 0, intra_node = 1, inter_node = 2 };
 constexpr int num_link_classes = 3;
-char const* to_string(LinkClass c);
+
+inline EnumTable<LinkClass> const& names_of(LinkClass) {
+  static EnumTable<LinkClass> const t{"link class",
+                                      {{LinkClass::same_rank, "same_rank"},
+                                       {LinkClass::intra_node, "intra_node"},
+                                       {LinkClass::inter_node, "inter_node"}}};
+  return t;
+}
 
 /// \brief Counts of one link class.
 struct ClassCounts {
@@ -74,8 +83,14 @@ struct ByteLedger {
 
   /// \brief JSON object text (every field, per stage and class, plus totals).
   std::string to_json(int indent = 2) const;
-  /// \brief Adds another ledger of the same algorithm and stage structure.
+  /// \brief Adds another ledger of the same algorithm and stage structure
+  /// (another rank's, or another step's).
   void accumulate(ByteLedger const& other);
+  /// \brief Appends the ledger of the call that followed this one on the same
+  /// rank (the next wave of a step): stages are concatenated per direction,
+  /// useful rows and drops summed. An empty ledger (no algorithm) becomes a
+  /// copy of `next`.
+  void append(ByteLedger const& next);
   /// \brief Collective over comm: the sum of every rank's ledger, on every rank.
   ByteLedger reduced(MPI_Comm comm) const;
   /// \brief Human-readable table (one line per direction, stage and class).

@@ -2,15 +2,22 @@
 #define KOKKOSMOE_EXCHANGE_NCCL_HPP
 
 /// \file KokkosMoE_Exchange_Nccl.hpp
-/// \brief NCCL transport: rows move with grouped ncclSend/ncclRecv on the
-/// CUDA stream of the Kokkos::Cuda instance; same-rank rows are device copies
-/// on that stream. Counts are still agreed over MPI (host integers) before any
-/// payload moves. NCCL communicators are created from the MPI communicators
-/// (unique id broadcast over MPI) on first use and destroyed with the context.
-/// Built when KokkosMoE has NCCL and Kokkos has CUDA.
+/// \brief NCCL transport and make_transport(), the run-time choice of a
+/// transport by TransportKind.
+///
+/// NCCL: rows move with grouped ncclSend/ncclRecv on the CUDA stream of the
+/// Kokkos::Cuda instance; same-rank rows are device copies on that stream.
+/// Counts are still agreed over MPI (host integers) before any payload moves.
+/// NCCL communicators are created from the MPI communicators (unique id
+/// broadcast over MPI) on first use and destroyed with the transport. Built
+/// when KokkosMoE has NCCL and Kokkos has CUDA; elsewhere asking for it
+/// fails with transport_unavailable_reason().
 
 #include <KokkosMoE_Exchange_Transport.hpp>
 #include <KokkosMoE_config.hpp>
+
+#include <memory>
+#include <type_traits>
 
 #if defined(KOKKOSMOE_HAVE_NCCL) && defined(KOKKOS_ENABLE_CUDA)
 
@@ -19,7 +26,6 @@
 
 #include <chrono>
 #include <map>
-#include <memory>
 #include <sstream>
 #include <thread>
 
@@ -62,14 +68,13 @@ class NcclCommunicator {
 
 /// \brief Rows over NCCL for device memory spaces.
 template <class MemorySpace>
-class TransportContext<Nccl, MemorySpace> {
+class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
  public:
-  explicit TransportContext(Topology::CommunicatorSet const&) {}
+  TransportKind kind() const override { return TransportKind::nccl; }
 
-  void alltoallv(Kokkos::Cuda const& exec, Topology::Communicator const& comm, std::initializer_list<RowSet<MemorySpace>> set_list,
+  void alltoallv(Kokkos::Cuda const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                  std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
-                 TransportOptions const& options) {
-    std::vector<RowSet<MemorySpace>> const sets(set_list);
+                 TransportOptions const& options) override {
     int const P = comm.size();
     int const me = comm.my_slot();
     KOKKOSMOE_REQUIRE(static_cast<int>(send_counts.size()) == P && static_cast<int>(recv_counts.size()) == P,
@@ -146,4 +151,27 @@ class TransportContext<Nccl, MemorySpace> {
 }  // namespace KokkosMoE
 
 #endif
+
+namespace KokkosMoE {
+namespace Exchange {
+
+/// \brief The transport of `kind` for exchanges on Exec / MemorySpace.
+/// Throws Error (the same on every rank) when this build or this execution
+/// space cannot run it: NCCL needs a build with NCCL and Kokkos::Cuda.
+template <class Exec, class MemorySpace>
+std::unique_ptr<Transport<Exec, MemorySpace>> make_transport(TransportKind kind) {
+  if (kind == TransportKind::mpi) return std::make_unique<MpiTransport<Exec, MemorySpace>>();
+  KOKKOSMOE_REQUIRE(transport_available(kind), transport_unavailable_reason(kind));
+#if defined(KOKKOSMOE_HAVE_NCCL) && defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same<Exec, Kokkos::Cuda>::value) {
+    return std::make_unique<NcclTransport<MemorySpace>>();
+  }
+#endif
+  KOKKOSMOE_THROW("exchange transport '" << to_string(kind) << "' needs the Kokkos::Cuda execution space; this exchange runs on "
+                                         << Exec::name());
+}
+
+}  // namespace Exchange
+}  // namespace KokkosMoE
+
 #endif

@@ -1,6 +1,7 @@
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
+#include <KokkosMoE_PayloadBuffer.hpp>
 
 #include <algorithm>
 
@@ -11,17 +12,41 @@ namespace {
 
 using Matrix = std::vector<std::vector<std::int64_t>>;
 
-ByteLedger blank(char const* algorithm, PlanFormat const& f) {
+ByteLedger blank(Algorithm algorithm, PlanInput const& in) {
   ByteLedger l;
-  l.algorithm = algorithm;
-  l.payload = to_string(f.payload);
-  l.combine_payload = to_string(f.return_payload);
-  l.width = f.width;
-  l.row_bytes = payload_row_bytes(f.payload, f.width);
-  l.combine_row_bytes = payload_row_bytes(f.return_payload, f.width);
+  l.algorithm = to_string(algorithm);
+  l.payload = to_string(in.config.payload);
+  l.combine_payload = to_string(in.config.return_payload);
+  l.width = in.width;
+  l.row_bytes = payload_row_bytes(in.config.payload, in.width);
+  l.combine_row_bytes = payload_row_bytes(in.config.return_payload, in.width);
   l.meta_row_bytes = sizeof(RowMeta);
   l.ranks = 1;
   return l;
+}
+
+/// What the planner reads of a rank's route plan: per accepted route (route
+/// order) the destination rank and the local slot index there.
+struct Flow {
+  std::vector<int> dest;
+  std::vector<int> local_slot;
+};
+
+std::vector<Flow> flows_of(PlanInput const& in) {
+  std::vector<Flow> f(in.routes.size());
+  for (std::size_t r = 0; r < in.routes.size(); ++r) {
+    auto const& rp = in.routes[r];
+    KOKKOSMOE_REQUIRE(rp.origin_rank == static_cast<int>(r), "planner: route plan " << r << " is rank " << rp.origin_rank << "'s");
+    for (index_t a = 0; a < rp.size(); ++a) {
+      int const s = rp.slot(a);
+      KOKKOSMOE_REQUIRE(s >= 0 && s < in.placement.num_slots() && in.placement.slot(s).rank == rp.dest_rank(a),
+                        "planner: route " << a << " of rank " << r << " has slot " << s << " and destination " << rp.dest_rank(a)
+                                          << ", which placement generation " << in.placement.generation() << " does not match");
+      f[r].dest.push_back(rp.dest_rank(a));
+      f[r].local_slot.push_back(in.placement.local_index(s));
+    }
+  }
+  return f;
 }
 
 std::vector<int> nodes_of(Topology::Topology const& topo) {
@@ -30,7 +55,7 @@ std::vector<int> nodes_of(Topology::Topology const& topo) {
   return n;
 }
 
-Matrix count_matrix(std::vector<RankRoutes> const& routes, int N) {
+Matrix count_matrix(std::vector<Flow> const& routes, int N) {
   Matrix c(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 0));
   for (int s = 0; s < N; ++s)
     for (int d : routes[static_cast<std::size_t>(s)].dest) {
@@ -47,21 +72,25 @@ std::vector<std::int64_t> in_order(std::vector<std::int64_t> const& by_rank, std
   return v;
 }
 
-void check_inputs(Topology::Topology const& topo, Topology::CommLayout const& layout, std::vector<RankRoutes> const& routes) {
-  KOKKOSMOE_REQUIRE(static_cast<int>(routes.size()) == topo.size(),
-                    "planner: routes for " << routes.size() << " ranks, topology has " << topo.size());
-  Topology::validate(topo, layout);
+std::vector<Flow> check_inputs(PlanInput const& in) {
+  KOKKOSMOE_REQUIRE(static_cast<int>(in.routes.size()) == in.topology.size(),
+                    "planner: routes for " << in.routes.size() << " ranks, topology has " << in.topology.size());
+  KOKKOSMOE_REQUIRE(in.placement.num_ranks() == in.topology.size(),
+                    "planner: placement spans " << in.placement.num_ranks() << " ranks, topology has " << in.topology.size());
+  Topology::validate(in.topology, in.layout);
+  return flows_of(in);
 }
 
 }  // namespace
 
-std::vector<ByteLedger> plan_flat(Topology::Topology const& topo, Topology::CommLayout const& layout,
-                                  std::vector<RankRoutes> const& routes, PlanFormat const& f) {
-  check_inputs(topo, layout, routes);
+std::vector<ByteLedger> plan_flat(PlanInput const& in) {
+  auto const routes = check_inputs(in);
+  auto const& topo = in.topology;
+  auto const& layout = in.layout;
   int const N = topo.size();
   auto const nor = nodes_of(topo);
   auto const c = count_matrix(routes, N);
-  std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank("flat", f));
+  std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::flat, in));
   std::string const ep = "kmoe-ep";
   for (int me = 0; me < N; ++me) {
     auto& l = out[static_cast<std::size_t>(me)];
@@ -79,9 +108,10 @@ std::vector<ByteLedger> plan_flat(Topology::Topology const& topo, Topology::Comm
   return out;
 }
 
-std::vector<ByteLedger> plan_hierarchical(Topology::Topology const& topo, Topology::CommLayout const& layout,
-                                          std::vector<RankRoutes> const& routes, PlanFormat const& f) {
-  check_inputs(topo, layout, routes);
+std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
+  auto const routes = check_inputs(in);
+  auto const& topo = in.topology;
+  auto const& layout = in.layout;
   int const N = topo.size();
   int const nodes = topo.num_nodes();
   auto const nor = nodes_of(topo);
@@ -109,7 +139,7 @@ std::vector<ByteLedger> plan_hierarchical(Topology::Topology const& topo, Topolo
       s2[static_cast<std::size_t>(r)][static_cast<std::size_t>(r2)] += n;
       s3[static_cast<std::size_t>(r2)][static_cast<std::size_t>(d)] += n;
     }
-  std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank("hierarchical", f));
+  std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::hierarchical, in));
   for (int me = 0; me < N; ++me) {
     auto& l = out[static_cast<std::size_t>(me)];
     int const node = nor[static_cast<std::size_t>(me)];
@@ -166,10 +196,11 @@ std::vector<ByteLedger> plan_hierarchical(Topology::Topology const& topo, Topolo
   return out;
 }
 
-std::vector<ByteLedger> plan_pooled_wave(Topology::Topology const& topo, Topology::CommLayout const& layout,
-                                         std::vector<RankRoutes> const& routes, PlanFormat const& f,
-                                         PooledWaveConfig const& config) {
-  check_inputs(topo, layout, routes);
+std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in) {
+  auto const routes = check_inputs(in);
+  auto const& topo = in.topology;
+  auto const& layout = in.layout;
+  auto const config = pooled_wave_config(in.config, in.placement);
   int const N = topo.size();
   auto const nor = nodes_of(topo);
   auto const shapes = pooled_wave_shapes(config, N);
@@ -186,7 +217,7 @@ std::vector<ByteLedger> plan_pooled_wave(Topology::Topology const& topo, Topolog
     for (std::size_t i = 0; i < r.dest.size(); ++i)
       seq[static_cast<std::size_t>(s)][static_cast<std::size_t>(r.dest[i])].push_back(r.local_slot[i]);
   }
-  std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank("pooled_wave", f));
+  std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::pooled_wave, in));
   for (int me = 0; me < N; ++me) {
     auto& l = out[static_cast<std::size_t>(me)];
     std::int64_t sender_drops = 0, receiver_drops = 0;
@@ -245,26 +276,68 @@ std::vector<ByteLedger> plan_pooled_wave(Topology::Topology const& topo, Topolog
   return out;
 }
 
-std::vector<RankRoutes> allgather_routes(MPI_Comm comm, RankRoutes const& mine) {
-  KOKKOSMOE_REQUIRE(mine.dest.size() == mine.local_slot.size(),
-                    "allgather_routes: " << mine.dest.size() << " destinations and " << mine.local_slot.size() << " slots");
+namespace Impl {
+
+RoutePlan<Kokkos::HostSpace> gathered_route_plan(int origin_rank, index_t num_tokens, int top_k, index_t id_base,
+                                                 std::uint64_t generation, std::vector<int> const* fields, std::vector<float> gate) {
+  // fields: token, k-slot, expert, slot, destination rank.
+  std::size_t const A = fields[0].size();
+  for (int f = 1; f < 5; ++f)
+    KOKKOSMOE_REQUIRE(fields[f].size() == A, "allgather_routes: rank " << origin_rank << " sent fields of different lengths");
+  KOKKOSMOE_REQUIRE(gate.size() == A, "allgather_routes: rank " << origin_rank << " sent " << gate.size() << " gates for " << A << " routes");
+  RoutePlan<Kokkos::HostSpace> p;
+  p.origin_rank = origin_rank;
+  p.num_tokens = num_tokens;
+  p.top_k = top_k;
+  p.id_base = id_base;
+  p.generation = generation;
+  auto view_of = [&](std::vector<int> const& v, char const* name) {
+    Kokkos::View<int*, Kokkos::HostSpace> out(std::string("KokkosMoE::gathered_routes::") + name, v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) out(i) = v[i];
+    return out;
+  };
+  p.token = view_of(fields[0], "token");
+  p.kslot = view_of(fields[1], "kslot");
+  p.expert = view_of(fields[2], "expert");
+  p.slot = view_of(fields[3], "slot");
+  p.dest_rank = view_of(fields[4], "dest_rank");
+  p.gate = Kokkos::View<float*, Kokkos::HostSpace>("KokkosMoE::gathered_routes::gate", A);
+  for (std::size_t i = 0; i < A; ++i) p.gate(i) = gate[i];
+  p.route_index = Kokkos::View<index_t**, Kokkos::LayoutRight, Kokkos::HostSpace>("KokkosMoE::gathered_routes::route_index", num_tokens, top_k);
+  Kokkos::deep_copy(p.route_index, -1);
+  for (std::size_t a = 0; a < A; ++a) {
+    int const t = fields[0][a], j = fields[1][a];
+    KOKKOSMOE_REQUIRE(t >= 0 && t < num_tokens && j >= 0 && j < top_k,
+                      "allgather_routes: rank " << origin_rank << " route " << a << " is (token " << t << ", k-slot " << j << ")");
+    p.route_index(t, j) = static_cast<index_t>(a);
+  }
+  return p;
+}
+
+template <class V, class MPIType>
+std::vector<std::vector<V>> allgather_values(MPI_Comm comm, std::vector<V> const& mine, MPIType type) {
   int const size = comm_size(comm);
-  int n = static_cast<int>(mine.dest.size());
+  int n = static_cast<int>(mine.size());
   std::vector<int> counts(static_cast<std::size_t>(size)), displs(static_cast<std::size_t>(size) + 1, 0);
   KOKKOSMOE_MPI_CHECK(MPI_Allgather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, comm), comm);
   for (int r = 0; r < size; ++r) displs[static_cast<std::size_t>(r) + 1] = displs[static_cast<std::size_t>(r)] + counts[static_cast<std::size_t>(r)];
-  std::vector<int> dest(static_cast<std::size_t>(displs.back())), slot(dest.size());
-  KOKKOSMOE_MPI_CHECK(MPI_Allgatherv(mine.dest.data(), n, MPI_INT, dest.data(), counts.data(), displs.data(), MPI_INT, comm), comm);
-  KOKKOSMOE_MPI_CHECK(MPI_Allgatherv(mine.local_slot.data(), n, MPI_INT, slot.data(), counts.data(), displs.data(), MPI_INT, comm), comm);
-  std::vector<RankRoutes> all(static_cast<std::size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    auto const b = dest.begin() + displs[static_cast<std::size_t>(r)], e = dest.begin() + displs[static_cast<std::size_t>(r) + 1];
-    all[static_cast<std::size_t>(r)].dest.assign(b, e);
-    all[static_cast<std::size_t>(r)].local_slot.assign(slot.begin() + displs[static_cast<std::size_t>(r)],
-                                                      slot.begin() + displs[static_cast<std::size_t>(r) + 1]);
-  }
-  return all;
+  std::vector<V> all(static_cast<std::size_t>(displs.back()));
+  KOKKOSMOE_MPI_CHECK(MPI_Allgatherv(mine.data(), n, type, all.data(), counts.data(), displs.data(), type, comm), comm);
+  std::vector<std::vector<V>> out(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r)
+    out[static_cast<std::size_t>(r)].assign(all.begin() + displs[static_cast<std::size_t>(r)], all.begin() + displs[static_cast<std::size_t>(r) + 1]);
+  return out;
 }
+
+std::vector<std::vector<int>> allgather_ints(MPI_Comm comm, std::vector<int> const& mine) { return allgather_values(comm, mine, MPI_INT); }
+std::vector<std::vector<float>> allgather_floats(MPI_Comm comm, std::vector<float> const& mine) {
+  return allgather_values(comm, mine, MPI_FLOAT);
+}
+std::vector<std::vector<std::int64_t>> allgather_int64s(MPI_Comm comm, std::vector<std::int64_t> const& mine) {
+  return allgather_values(comm, mine, MPI_INT64_T);
+}
+
+}  // namespace Impl
 
 ByteLedger sum_ledgers(std::vector<ByteLedger> const& ledgers) {
   KOKKOSMOE_REQUIRE(!ledgers.empty(), "sum_ledgers: no ledgers");

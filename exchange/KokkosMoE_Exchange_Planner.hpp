@@ -8,8 +8,11 @@
 /// process) and checked against the ledgers the real exchanges measure.
 /// No time is computed.
 
+#include <KokkosMoE_Exchange_Config.hpp>
 #include <KokkosMoE_Exchange_Ledger.hpp>
-#include <KokkosMoE_Exchange_PooledWave.hpp>
+#include <KokkosMoE_Exchange_PooledWaveShape.hpp>
+#include <KokkosMoE_Placement.hpp>
+#include <KokkosMoE_RoutePlan.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
 
 #include <mpi.h>
@@ -20,37 +23,32 @@
 namespace KokkosMoE {
 namespace Exchange {
 
-/// \brief The accepted routes of one rank in route order (token-major, then
-/// k-slot): destination global rank and local slot index at the destination.
-struct RankRoutes {
-  std::vector<int> dest;
-  std::vector<int> local_slot;
-};
+/// \brief Host route plans, one per rank (index = global rank).
+using RankRoutePlans = std::vector<RoutePlan<Kokkos::HostSpace>>;
 
-/// \brief Collective over comm: every rank's routes, on every rank (index =
-/// rank in comm).
-std::vector<RankRoutes> allgather_routes(MPI_Comm comm, RankRoutes const& mine);
+/// \brief Collective over comm: every rank's route plan, on every rank, in
+/// host memory (index = rank in comm).
+template <class MS>
+RankRoutePlans allgather_routes(MPI_Comm comm, RoutePlan<MS> const& mine);
 
-/// \brief Row formats of a planned exchange.
-struct PlanFormat {
-  PayloadType payload = PayloadType::bf16;
-  PayloadType return_payload = PayloadType::bf16;
-  int width = 0;
+/// \brief Everything a planned exchange depends on.
+struct PlanInput {
+  Topology::Topology const& topology;
+  Topology::CommLayout const& layout;
+  RankRoutePlans const& routes;    ///< every rank's accepted routes
+  Placement const& placement;      ///< where their slots live
+  ExchangeConfig const& config;    ///< payloads, pooled-wave shape
+  int width;                       ///< hidden width d
 };
 
 /// \brief Per-rank ledgers (index = global rank) of the flat exchange.
-std::vector<ByteLedger> plan_flat(Topology::Topology const& topo, Topology::CommLayout const& layout,
-                                  std::vector<RankRoutes> const& routes, PlanFormat const& format);
+std::vector<ByteLedger> plan_flat(PlanInput const& in);
 
-/// \brief Per-rank ledgers of the hierarchical exchange (relays and rails of layout).
-std::vector<ByteLedger> plan_hierarchical(Topology::Topology const& topo, Topology::CommLayout const& layout,
-                                          std::vector<RankRoutes> const& routes, PlanFormat const& format);
+/// \brief Per-rank ledgers of the hierarchical exchange (relays and rails of the layout).
+std::vector<ByteLedger> plan_hierarchical(PlanInput const& in);
 
-/// \brief Per-rank ledgers of the pooled-wave exchange, drops included
-/// (config.local_experts is the static L).
-std::vector<ByteLedger> plan_pooled_wave(Topology::Topology const& topo, Topology::CommLayout const& layout,
-                                         std::vector<RankRoutes> const& routes, PlanFormat const& format,
-                                         PooledWaveConfig const& config);
+/// \brief Per-rank ledgers of the pooled-wave exchange, drops included.
+std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in);
 
 /// \brief Sum of per-rank ledgers.
 ByteLedger sum_ledgers(std::vector<ByteLedger> const& ledgers);
@@ -69,6 +67,34 @@ struct LedgerMaxima {
   int relay_rows_rank = -1;
 };
 LedgerMaxima ledger_maxima(Topology::Topology const& topo, std::vector<ByteLedger> const& ledgers);
+
+namespace Impl {
+RoutePlan<Kokkos::HostSpace> gathered_route_plan(int origin_rank, index_t num_tokens, int top_k, index_t id_base,
+                                                 std::uint64_t generation, std::vector<int> const* fields, std::vector<float> gate);
+std::vector<std::vector<int>> allgather_ints(MPI_Comm comm, std::vector<int> const& mine);
+std::vector<std::vector<float>> allgather_floats(MPI_Comm comm, std::vector<float> const& mine);
+std::vector<std::vector<std::int64_t>> allgather_int64s(MPI_Comm comm, std::vector<std::int64_t> const& mine);
+}  // namespace Impl
+
+template <class MS>
+RankRoutePlans allgather_routes(MPI_Comm comm, RoutePlan<MS> const& mine) {
+  auto const h = to_host(mine);
+  auto ints = [](Kokkos::View<int*, Kokkos::HostSpace> const& v) { return std::vector<int>(v.data(), v.data() + v.extent(0)); };
+  // Per rank: its header, then token, k-slot, expert, slot, destination rank, and the gates.
+  std::vector<int> const header = {h.origin_rank, static_cast<int>(h.num_tokens), h.top_k};
+  std::vector<std::vector<std::vector<int>>> all;
+  for (auto const& f : {header, ints(h.token), ints(h.kslot), ints(h.expert), ints(h.slot), ints(h.dest_rank)})
+    all.push_back(Impl::allgather_ints(comm, f));
+  auto const gates = Impl::allgather_floats(comm, std::vector<float>(h.gate.data(), h.gate.data() + h.gate.extent(0)));
+  auto const bases = Impl::allgather_int64s(comm, {static_cast<std::int64_t>(h.id_base), static_cast<std::int64_t>(h.generation)});
+  RankRoutePlans out;
+  for (std::size_t r = 0; r < gates.size(); ++r) {
+    std::vector<int> const fields[5] = {all[1][r], all[2][r], all[3][r], all[4][r], all[5][r]};
+    out.push_back(Impl::gathered_route_plan(all[0][r][0], all[0][r][1], all[0][r][2], bases[r][0],
+                                            static_cast<std::uint64_t>(bases[r][1]), fields, gates[r]));
+  }
+  return out;
+}
 
 }  // namespace Exchange
 }  // namespace KokkosMoE

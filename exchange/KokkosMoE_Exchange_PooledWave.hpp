@@ -9,400 +9,417 @@
 /// to wave i % W at pool row i / W; rows beyond a sender pool are sender
 /// drops (S). The receiver compacts each wave's rows per local expert into
 /// static per-expert arrays of expert_rows rows; rows beyond that are
-/// receiver drops (R). Experts run per wave, results return through the same
-/// static shapes (the return header flags which rows carry a result), and
-/// the sender collects them in its send order; the final combine is the same
-/// k-slot-ordered FP32 reduction as for the other algorithms, so without
-/// drops the output is bitwise identical to the flat exchange.
+/// receiver drops (R). Results return through the same static shapes (the
+/// return header flags which rows carry a result).
+///
+/// The waves are the caller's loop over the contract's two verbs: dispatch
+/// wave w -> experts on its rows -> combine wave w, for w in [0, waves()).
+/// Combine of wave w writes the return row of every route of wave w (the
+/// expert's output, or zeros for a dropped route), so after the last wave
+/// every row of the return buffer is written once and the final combine is
+/// the same k-slot-ordered FP32 reduction as for the other algorithms:
+/// without drops the output is bitwise identical to the flat exchange's.
+///
+/// dispatch = stripe (this wave's pool rows) -> build_pools -> all-to-all ->
+/// compact (expert rows). combine = return_pools -> all-to-all -> collect.
 
-#include <KokkosMoE_Exchange_Handle.hpp>
-#include <KokkosMoE_Exchange_Transport.hpp>
-#include <KokkosMoE_Topology_Communicators.hpp>
-#include <impl/KokkosMoE_CountingSort.hpp>
+#include <KokkosMoE_CountingSort.hpp>
+#include <KokkosMoE_Exchange_Planner.hpp>
+#include <KokkosMoE_Exchange_PooledWaveShape.hpp>
 #include <impl/KokkosMoE_Exchange_Common.hpp>
-
-#include <cmath>
-#include <functional>
 
 namespace KokkosMoE {
 namespace Exchange {
 
-/// \brief Static configuration of the pooled-wave exchange.
-struct PooledWaveConfig {
-  int waves = 1;                ///< W
-  double sender_cf = 1.0;       ///< sender capacity factor
-  double receiver_cf = 1.0;     ///< receiver capacity factor
-  index_t tokens_per_rank = 0;  ///< static token count per rank (A = tokens_per_rank * top_k)
-  int top_k = 1;
-  int local_experts = 1;        ///< L: local expert slots per rank (the largest over ranks)
-};
+template <class ExecutionSpace = Kokkos::DefaultExecutionSpace, class MemorySpace = typename ExecutionSpace::memory_space>
+class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
+  using base = Impl::ExchangeBase<ExecutionSpace, MemorySpace>;
+  using Exec = ExecutionSpace;
+  using MS = MemorySpace;
+  using index_view = Kokkos::View<index_t*, MS>;
 
-/// \brief The static shapes derived from a configuration.
-struct PooledWaveShapes {
-  index_t assignments = 0;   ///< A = tokens_per_rank * top_k
-  index_t sender_pool_rows = 0;    ///< ceil(sender_cf * A / P / W)
-  index_t receiver_expert_rows = 0;  ///< ceil(receiver_cf * A / L / W)
-  index_t pool_rows_with_header = 0;
-};
-
-/// \brief Shapes for P ranks; throws Error for non-positive sizes or factors.
-PooledWaveShapes pooled_wave_shapes(PooledWaveConfig const& c, int ranks);
-
-/// \brief Bits per packed local expert id: enough for 0..L, where L marks an
-/// empty pool row.
-int pooled_wave_id_bits(int local_experts);
-
-/// \brief Bytes of one header row holding pool_rows packed ids.
-std::int64_t pooled_wave_header_bytes(index_t pool_rows, int local_experts);
-
-namespace Impl {
-/// Reads packed id j (bits wide) from a header row.
-KOKKOS_INLINE_FUNCTION int read_packed_id(unsigned char const* hdr, index_t j, int bits) {
-  index_t const bit = j * bits;
-  std::uint32_t word = 0;
-  for (int b = 0; b < 3; ++b) word |= static_cast<std::uint32_t>(hdr[bit / 8 + b]) << (8 * b);
-  return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1u));
-}
-}  // namespace Impl
-
-/// \brief Drop rates of a reduced ledger: S/A, R/A, (S+R)/A and R/(A-S).
-struct DropRates {
-  double sender = 0, receiver = 0, total = 0, conditional_receiver = 0;
-};
-DropRates drop_rates(std::int64_t assignments, std::int64_t sender_drops, std::int64_t receiver_drops);
-
-/// \brief Expert callback of a wave: expert-major input rows (dispatch
-/// payload) with local-slot offsets [L + 1] (host and device copies), returning
-/// one output row per input row, same order, in the return payload type.
-template <class MemorySpace>
-using WaveExpertFn = std::function<PayloadBuffer<MemorySpace>(PayloadBuffer<MemorySpace> const& x_em,
-                                                              std::vector<index_t> const& offsets,
-                                                              Kokkos::View<index_t*, MemorySpace> const& offsets_d)>;
-
-/// \brief Result of a pooled-wave forward pass.
-template <class MemorySpace>
-struct PooledWaveResult {
-  PayloadBuffer<MemorySpace> returned;  ///< one row per dispatched route in send order (dropped: zeros)
-  ByteLedger ledger;                    ///< this rank's moves and drops
-  std::int64_t sender_drops = 0;
-  std::int64_t receiver_drops = 0;
-};
-
-template <class Transport = Mpi, class MemorySpace = Kokkos::DefaultExecutionSpace::memory_space>
-class PooledWaveExchange {
  public:
-  using memory_space = MemorySpace;
-  static constexpr char const* name = "pooled_wave";
+  static constexpr Algorithm algorithm = Algorithm::pooled_wave;
 
-  PooledWaveExchange(Topology::CommunicatorSet const& comms, PooledWaveConfig config, TransportOptions options = {})
-      : comms_(&comms), config_(config), options_(options), transport_(comms) {
-    shapes_ = pooled_wave_shapes(config_, comms.ep().size());
+  /// \brief One wave, kept for its return.
+  struct State {
+    Kokkos::View<index_t**, Kokkos::LayoutRight, MS> pool_route;  ///< [P, Rs] route at (destination slot, pool row), or -1
+    index_view position;    ///< [A] route's position among the routes to its destination
+    index_view compact_of;  ///< [P * Rs] receiver: expert row of received pool row x, or -1 (empty or dropped)
+    index_view source_of;   ///< [rows] receiver: received row of expert row c
+  };
+
+  PooledWaveExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},
+                     PlacementRegistry const* registry = nullptr)
+      : base(algorithm, comms, std::move(placement), config, registry) {
+    shape_ = pooled_wave_config(this->config_, this->placement_);
+    shapes_ = pooled_wave_shapes(shape_, comms.ep().size());
+    std::vector<int> ep_slot(static_cast<std::size_t>(comms.size()));
+    for (int r = 0; r < comms.size(); ++r) ep_slot[static_cast<std::size_t>(r)] = comms.ep().slot_of(r);
+    ep_slot_ = Impl::device_vector<MS>(ep_slot, "KokkosMoE::PooledWave::ep_slot");
+    std::vector<int> local_of(static_cast<std::size_t>(this->placement_.num_slots()));
+    for (int s = 0; s < this->placement_.num_slots(); ++s) local_of[static_cast<std::size_t>(s)] = this->placement_.local_index(s);
+    local_id_ = Impl::device_vector<MS>(local_of, "KokkosMoE::PooledWave::local_id");
   }
 
+  int waves() const { return shape_.waves; }
   PooledWaveShapes const& shapes() const { return shapes_; }
-  PooledWaveConfig const& config() const { return config_; }
-  Topology::CommunicatorSet const& communicators() const { return *comms_; }
+  PooledWaveConfig const& shape() const { return shape_; }
 
-  /// \brief Collective: moves the routes of `routes` (send order of `plan`)
-  /// to their experts in W waves, runs `expert` on each wave's compacted
-  /// rows, and returns the results in send order. Throws (on every rank) when
-  /// a rank has more tokens than the static tokens_per_rank, more local slots
-  /// than L, or a header row cannot hold a pool's ids.
-  template <class Exec, class T>
-  PooledWaveResult<MemorySpace> forward(Exec const& exec, Placement const& placement, RoutePlan<MemorySpace> const& routes,
-                                        DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden,
-                                        PayloadType dispatch_type, PayloadType return_type,
-                                        WaveExpertFn<MemorySpace> const& expert) {
-    auto const& ep = comms_->ep();
-    int const P = ep.size();
-    int const W = config_.waves;
-    index_t const Rs = shapes_.sender_pool_rows;
-    index_t const Rr = shapes_.receiver_expert_rows;
-    index_t const pool = Rs + 1;
-    int const L = config_.local_experts;
+  /// \brief Collective over the EP communicator: wave `wave` of the routes.
+  /// Throws (on every rank) when a rank has more tokens than the static
+  /// tokens_per_rank, more local slots than L, a header row cannot hold a
+  /// pool's ids, or the wave is outside [0, waves()).
+  template <class T>
+  DispatchHandle<T, MS> dispatch(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
+                                 RowMatrix<T, MS> const& hidden, int wave = 0) {
+    auto const& ep = this->comms_->ep();
     int const d = static_cast<int>(hidden.extent(1));
-    int const me = comms_->global_rank();
+    auto h = this->template new_handle<T>(routes, plan, wave);
+    agree(ep.comm(), problem_of([&] {
+            this->check_dispatch(h, hidden, waves());
+            check_shape(routes, d);
+          }),
+          "pooled-wave dispatch", this->config_.watchdog_seconds);
+    Kokkos::Timer timer;
+    h.ledger = this->new_ledger(d);
+    State st;
+    std::int64_t const wave_routes = stripe(exec, st, routes, wave, h.ledger);
+    auto send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, pool_buffer_rows());
+    auto recv = payload_buffer(this->work_, exec, "recv", this->config_.payload, d, pool_buffer_rows());
+    build_pools(exec, st, routes, hidden, send);
+    std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), shapes_.pool_rows_with_header);
+    this->transport_->alltoallv(exec, ep, {RowSet<MS>{send.bytes, recv.bytes}}, uniform, uniform, "pooled-wave dispatch rows",
+                                this->options());
+    h.ledger.dispatch.stages.push_back(wave_stage(st, wave, send.row_bytes(), false));
+    std::int64_t const receiver_drops = compact(exec, st, h, recv);
+    h.ledger.dispatch.stages.back().seconds = timer.seconds();
+    h.ledger.dispatch.receiver_drops = receiver_drops;
+    // Routes delivered: what this rank sent minus what it dropped on receipt
+    // (sums over ranks and waves give the global count).
+    h.ledger.dispatch.useful_rows = (wave_routes - h.ledger.dispatch.sender_drops) - receiver_drops;
+    h.ledger.combine.useful_rows = h.ledger.dispatch.useful_rows;
+    h.state = std::move(st);
+    return h;
+  }
+
+  /// \brief Collective: the wave's results back to their senders; writes the
+  /// return row of every route of this wave (zeros for dropped routes). A
+  /// failing expert on one rank (local_problem) fails every rank: the return
+  /// pools are static, so nobody would notice otherwise.
+  template <class T>
+  void combine(Exec const& exec, DispatchHandle<T, MS>& h, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& returned,
+               std::string const& local_problem = {}) {
+    auto const& ep = this->comms_->ep();
+    State const* st = std::any_cast<State>(&h.state);
+    std::string problem = local_problem.empty() ? this->combine_problem(h, expert_out, returned) : local_problem;
+    if (problem.empty() && !st) problem = "pooled-wave combine: the handle carries no pooled-wave state";
+    agree(ep.comm(), problem, "pooled-wave experts", this->config_.watchdog_seconds);
+    Kokkos::Timer timer;
+    int const d = static_cast<int>(h.expert_rows.extent(1));
+    this->set_combine_format(h.ledger, d);
+    auto back = payload_buffer(this->work_, exec, "back", this->config_.return_payload, d, pool_buffer_rows());
+    auto got = payload_buffer(this->work_, exec, "got", this->config_.return_payload, d, pool_buffer_rows());
+    return_pools(exec, *st, expert_out, back);
+    std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), shapes_.pool_rows_with_header);
+    this->transport_->alltoallv(exec, ep, {RowSet<MS>{back.bytes, got.bytes}}, uniform, uniform, "pooled-wave combine rows",
+                                this->options());
+    h.ledger.combine.stages.push_back(wave_stage(*st, h.wave, back.row_bytes(), true));
+    collect(exec, *st, h, got, returned);
+    Compat::fence(exec, "KokkosMoE::PooledWave: wave collected");
+    h.ledger.combine.stages.back().seconds = timer.seconds();
+    h.combined = true;
+  }
+
+  static std::vector<ByteLedger> plan(PlanInput const& in) { return plan_pooled_wave(in); }
+
+  // Stages. They are public only because CUDA forbids extended device
+  // lambdas inside private member functions; they are not part of the
+  // interface.
+
+  index_t pool_buffer_rows() const { return static_cast<index_t>(this->comms_->ep().size()) * shapes_.pool_rows_with_header; }
+
+  /// The static shape admits this rank's routes and rows.
+  void check_shape(RoutePlan<MS> const& routes, int d) const {
+    int const me = this->me_;
+    int const L = shape_.local_experts;
+    index_t const Rs = shapes_.sender_pool_rows;
     std::int64_t const header_bytes = pooled_wave_header_bytes(Rs, L);
-    int const bits = pooled_wave_id_bits(L);
-    agree_or_throw(ep, Impl::problem_of([&] {
-                     KOKKOSMOE_REQUIRE(routes.num_tokens <= config_.tokens_per_rank,
-                                       "pooled-wave exchange: rank " << me << " has " << routes.num_tokens
-                                                                     << " tokens, the static shape allows " << config_.tokens_per_rank);
-                     KOKKOSMOE_REQUIRE(routes.top_k == config_.top_k, "pooled-wave exchange: top_k " << routes.top_k << " but configured "
-                                                                                                     << config_.top_k);
-                     KOKKOSMOE_REQUIRE(placement.num_slots_of_rank(me) <= L,
-                                       "pooled-wave exchange: rank " << me << " holds " << placement.num_slots_of_rank(me)
-                                                                     << " expert slots, the static shape allows " << L);
-                     // Reading an id touches up to 3 bytes past its first one.
-                     KOKKOSMOE_REQUIRE(header_bytes + 2 <= payload_row_bytes(dispatch_type, d),
-                                       "pooled-wave exchange: a header row of " << payload_row_bytes(dispatch_type, d)
-                                                                                << " bytes cannot hold " << Rs << " ids ("
-                                                                                << header_bytes << " bytes needed)");
-                     KOKKOSMOE_REQUIRE((Rs + 7) / 8 <= payload_row_bytes(return_type, d),
-                                       "pooled-wave exchange: a return header of " << payload_row_bytes(return_type, d)
-                                                                                   << " bytes cannot flag " << Rs << " rows");
-                     KOKKOSMOE_REQUIRE(plan.peer_order == ep.peer_order(), "pooled-wave exchange: plan for another peer order");
-                   }),
-                   "pooled-wave forward", options_);
+    KOKKOSMOE_REQUIRE(routes.num_tokens <= shape_.tokens_per_rank, "pooled-wave exchange: rank " << me << " has " << routes.num_tokens
+                                                                                                 << " tokens, the static shape allows "
+                                                                                                 << shape_.tokens_per_rank);
+    KOKKOSMOE_REQUIRE(routes.top_k == shape_.top_k, "pooled-wave exchange: top_k " << routes.top_k << " but configured " << shape_.top_k);
+    KOKKOSMOE_REQUIRE(this->placement_.num_slots_of_rank(me) <= L, "pooled-wave exchange: rank " << me << " holds "
+                                                                                                 << this->placement_.num_slots_of_rank(me)
+                                                                                                 << " expert slots, the static shape allows " << L);
+    // Reading an id touches up to 3 bytes past its first one.
+    std::int64_t const row = payload_row_bytes(this->config_.payload, d);
+    KOKKOSMOE_REQUIRE(header_bytes + 2 <= row, "pooled-wave exchange: a header row of " << row << " bytes cannot hold " << Rs
+                                                                                        << " ids (" << header_bytes << " bytes needed)");
+    std::int64_t const back_row = payload_row_bytes(this->config_.return_payload, d);
+    KOKKOSMOE_REQUIRE((Rs + 7) / 8 <= back_row, "pooled-wave exchange: a return header of " << back_row << " bytes cannot flag " << Rs
+                                                                                            << " rows");
+  }
 
-    PooledWaveResult<MemorySpace> res;
-    PayloadBuffer<MemorySpace> shape_of_rows;
-    shape_of_rows.type = dispatch_type;
-    shape_of_rows.width = d;
-    res.ledger = Impl::new_ledger(name, shape_of_rows, 1);
-    res.ledger.combine_payload = to_string(return_type);
-    res.ledger.combine_row_bytes = payload_row_bytes(return_type, d);
-    res.returned = work_.payload(exec, "pooled_returned", return_type, d, plan.rows());
-    zero_fill(exec, res.returned.bytes);
-
-    // Sender side, once per step: position of every route among the routes
-    // bound for its destination, in stable route order.
+  /// Sender side: the position of every route among the routes bound for its
+  /// destination, in stable route order; this wave's pool rows and sender
+  /// drops. Returns the routes of this wave (placed or dropped).
+  std::int64_t stripe(Exec const& exec, State& st, RoutePlan<MS> const& routes, int wave, ByteLedger& ledger) {
+    int const P = this->comms_->ep().size();
+    int const W = shape_.waves;
+    index_t const Rs = shapes_.sender_pool_rows;
     index_t const A = routes.size();
-    auto ep_slot = Impl::device_vector<MemorySpace>(slot_table(), "KokkosMoE::PooledWave::ep_slot");
+    auto ep_slot = ep_slot_;
     auto dest = routes.dest_rank;
-    auto slot = routes.slot;
-    Kokkos::View<int*, MemorySpace> dkey(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::dkey"), A);
+    auto dkey = this->work_.template vector<int>(exec, "dest_key", A);
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::dest_keys", Kokkos::RangePolicy<Exec>(exec, 0, A), KOKKOS_LAMBDA(index_t a) { dkey(a) = ep_slot(dest(a)); });
-    Kokkos::View<index_t*, MemorySpace> by_dest(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::by_dest"), A);
-    Kokkos::View<index_t*, MemorySpace> dest_off("KokkosMoE::PooledWave::dest_off", P + 1);
-    KokkosMoE::Impl::stable_counting_sort(exec, dkey, P, by_dest, dest_off, "KokkosMoE::PooledWave::by_dest");
-    // pool_route(w, dest, row) = route index, or -1.
-    Kokkos::View<index_t***, Kokkos::LayoutRight, MemorySpace> pool_route("KokkosMoE::PooledWave::pool_route", W, P, Rs);
-    Kokkos::deep_copy(exec, pool_route, -1);
-    std::int64_t sender_drops = 0;
-    Kokkos::parallel_reduce(
-        "KokkosMoE::PooledWave::stripe", Kokkos::RangePolicy<Exec>(exec, 0, A),
-        KOKKOS_LAMBDA(index_t p, std::int64_t & drops) {
+    auto by_dest = this->work_.template vector<index_t>(exec, "by_dest", A);
+    index_view dest_off("KokkosMoE::PooledWave::dest_off", P + 1);
+    stable_counting_sort(exec, dkey, P, by_dest, dest_off, "KokkosMoE::PooledWave::by_dest");
+    st.pool_route = Kokkos::View<index_t**, Kokkos::LayoutRight, MS>(
+        Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::pool_route"), P, Rs);
+    Kokkos::deep_copy(exec, st.pool_route, -1);
+    st.position = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::position"), A);
+    auto pool_route = st.pool_route;
+    auto position = st.position;
+    Kokkos::View<std::int64_t[2], MS> counts("KokkosMoE::PooledWave::wave_counts");  // routes of the wave, sender drops
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::stripe", Kokkos::RangePolicy<Exec>(exec, 0, A), KOKKOS_LAMBDA(index_t p) {
           index_t const a = by_dest(p);
           int const q = dkey(a);
           index_t const i = p - dest_off(q);
+          position(a) = i;
+          if (i % W != wave) return;
+          Kokkos::atomic_add(&counts(0), std::int64_t(1));
           index_t const row = i / W;
           if (row < Rs)
-            pool_route(static_cast<int>(i % W), q, row) = a;
+            pool_route(q, row) = a;
           else
-            ++drops;
-        },
-        sender_drops);
-    Compat::fence(exec, "KokkosMoE::PooledWave: striped");
-    res.sender_drops = sender_drops;
-    res.ledger.dispatch.sender_drops = sender_drops;
+            Kokkos::atomic_add(&counts(1), std::int64_t(1));
+        });
+    auto hc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), counts);
+    ledger.dispatch.sender_drops = hc(1);
+    return hc(0);
+  }
 
-    // Local expert id of every slot at its own rank.
-    std::vector<int> local_of(static_cast<std::size_t>(placement.num_slots()));
-    for (int s = 0; s < placement.num_slots(); ++s) local_of[s] = placement.local_index(s);
-    auto local_id = Impl::device_vector<MemorySpace>(local_of, "KokkosMoE::PooledWave::local_id");
+  /// The pools of this wave: a header row with the packed local expert ids,
+  /// then the rows (encoded from hidden), per destination.
+  template <class T>
+  void build_pools(Exec const& exec, State const& st, RoutePlan<MS> const& routes, RowMatrix<T, MS> const& hidden,
+                   PayloadBuffer<MS> const& send) {
+    int const P = this->comms_->ep().size();
+    index_t const Rs = shapes_.sender_pool_rows;
+    index_t const pool = shapes_.pool_rows_with_header;
+    int const L = shape_.local_experts;
+    int const bits = pooled_wave_id_bits(L);
+    auto sb = send.bytes;
+    zero_fill(exec, sb);
+    auto pool_route = st.pool_route;
+    auto local_id = local_id_;
+    auto slot = routes.slot;
     auto token = routes.token;
-    auto inv = plan.inv;
-    auto const nor = Impl::node_of_rank(*comms_);
-    std::vector<index_t> const uniform(static_cast<std::size_t>(P), pool);
-
-    auto send = work_.payload(exec, "pooled_send", dispatch_type, d, P * pool);
-    auto recv = work_.payload(exec, "pooled_recv", dispatch_type, d, P * pool);
-    auto back = work_.payload(exec, "pooled_back", return_type, d, P * pool);
-    auto got = work_.payload(exec, "pooled_got", return_type, d, P * pool);
-    std::int64_t receiver_drops = 0;
-    Kokkos::Timer timer;
-    for (int w = 0; w < W; ++w) {
-      timer.reset();
-      // Build the pools: header row with packed local expert ids, then rows.
-      auto sb = send.bytes;
-      zero_fill(exec, sb);
-      // One thread per pool packs its ids (bits wide, little-endian).
-      Kokkos::parallel_for(
-          "KokkosMoE::PooledWave::headers", Kokkos::RangePolicy<Exec>(exec, 0, P), KOKKOS_LAMBDA(int q) {
-            unsigned char* hdr = &sb(q * pool, 0);
-            std::uint32_t acc = 0;
-            int filled = 0;
-            index_t at = 0;
-            for (index_t j = 0; j < Rs; ++j) {
-              index_t const a = pool_route(w, q, j);
-              std::uint32_t const id = a >= 0 ? static_cast<std::uint32_t>(local_id(slot(a))) : static_cast<std::uint32_t>(L);
-              acc |= id << filled;
-              filled += bits;
-              while (filled >= 8) {
-                hdr[at++] = static_cast<unsigned char>(acc & 0xFFu);
-                acc >>= 8;
-                filled -= 8;
-              }
+    // One thread per pool packs its ids (bits wide, little-endian).
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::headers", Kokkos::RangePolicy<Exec>(exec, 0, P), KOKKOS_LAMBDA(int q) {
+          unsigned char* hdr = &sb(q * pool, 0);
+          std::uint32_t acc = 0;
+          int filled = 0;
+          index_t at = 0;
+          for (index_t j = 0; j < Rs; ++j) {
+            index_t const a = pool_route(q, j);
+            std::uint32_t const id = a >= 0 ? static_cast<std::uint32_t>(local_id(slot(a))) : static_cast<std::uint32_t>(L);
+            acc |= id << filled;
+            filled += bits;
+            while (filled >= 8) {
+              hdr[at++] = static_cast<unsigned char>(acc & 0xFFu);
+              acc >>= 8;
+              filled -= 8;
             }
-            if (filled > 0) hdr[at] = static_cast<unsigned char>(acc & 0xFFu);
-          });
-      Compat::fence(exec, "KokkosMoE::PooledWave: headers");
-      gather_encode(exec, hidden,
-                    KOKKOS_LAMBDA(index_t r)->index_t {
-                      index_t const j = r % pool;
-                      if (j == 0) return -1;
-                      index_t const a = pool_route(w, static_cast<int>(r / pool), j - 1);
-                      return a >= 0 ? static_cast<index_t>(token(a)) : -1;
-                    },
-                    send, "KokkosMoE::PooledWave::pack");
-      transport_.alltoallv(exec, ep, {RowSet<MemorySpace>{send.bytes, recv.bytes}}, uniform, uniform,
-                     "pooled-wave dispatch rows", options_);
-      {
-        StageLedger st{"wave " + std::to_string(w), ep.name()};
-        // Static shapes: every peer gets a full pool; useful rows are those
-        // carrying a route, the rest is padding, plus one header row each.
-        std::vector<std::int64_t> useful(static_cast<std::size_t>(P), 0);
-        auto hp = Impl::host_vector_3d(pool_route, w);
-        for (int q = 0; q < P; ++q)
-          for (index_t j = 0; j < Rs; ++j) useful[q] += hp[static_cast<std::size_t>(q * Rs + j)] >= 0 ? 1 : 0;
-        add_sends(st, useful, ep.peer_order(), me, nor, send.row_bytes(), 0);
-        for (int q = 0; q < P; ++q) {
-          std::int64_t const pad = Rs - useful[q];
-          st.padding_rows += pad;
-          st.header_rows += 1;
-          auto const c = ep.global_rank(q) == me ? LinkClass::same_rank
-                         : nor[static_cast<std::size_t>(ep.global_rank(q))] == nor[static_cast<std::size_t>(me)] ? LinkClass::intra_node
-                                                                                                              : LinkClass::inter_node;
-          st.by_class[static_cast<int>(c)].meta_bytes += send.row_bytes();
-          if (useful[q] == 0) st.by_class[static_cast<int>(c)].messages += 1;  // the pool moves even when empty
-        }
-        res.ledger.dispatch.stages.push_back(st);
-      }
+          }
+          if (filled > 0) hdr[at] = static_cast<unsigned char>(acc & 0xFFu);
+        });
+    Compat::fence(exec, "KokkosMoE::PooledWave: headers");
+    gather_rows(exec, hidden,
+                KOKKOS_LAMBDA(index_t r)->index_t {
+                  index_t const j = r % pool;
+                  if (j == 0) return -1;
+                  index_t const a = pool_route(static_cast<int>(r / pool), j - 1);
+                  return a >= 0 ? static_cast<index_t>(token(a)) : -1;
+                },
+                send, "KokkosMoE::PooledWave::pack");
+  }
 
-      // Receiver: compact per local expert, (source, pool row) order; keep the
-      // first expert_rows rows of each expert.
-      index_t const n_pool = static_cast<index_t>(P) * Rs;
-      Kokkos::View<int*, MemorySpace> ekey(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::ekey"), n_pool);
-      auto rb = recv.bytes;
-      Kokkos::parallel_for(
-          "KokkosMoE::PooledWave::read_headers", Kokkos::RangePolicy<Exec>(exec, 0, n_pool), KOKKOS_LAMBDA(index_t x) {
-            int const s = static_cast<int>(x / Rs);
-            index_t const j = x % Rs;
-            int const id = Impl::read_packed_id(&rb(s * pool, 0), j, bits);
-            ekey(x) = id < L ? id : L;
-          });
-      Kokkos::View<index_t*, MemorySpace> by_expert(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::by_expert"), n_pool);
-      auto& wave_stage = res.ledger.dispatch.stages.back();
-      Kokkos::View<index_t*, MemorySpace> e_off("KokkosMoE::PooledWave::e_off", L + 2);
-      KokkosMoE::Impl::stable_counting_sort(exec, ekey, L + 1, by_expert, e_off, "KokkosMoE::PooledWave::by_expert");
-      auto he = Impl::host_vector(e_off);
-      std::vector<index_t> offsets(static_cast<std::size_t>(L) + 1, 0);
-      for (int q = 0; q < L; ++q) {
-        index_t const n = he[q + 1] - he[q];
-        index_t const kept = n < Rr ? n : Rr;
-        receiver_drops += n - kept;
-        offsets[q + 1] = offsets[q] + kept;
-      }
-      auto offsets_d = Impl::device_vector<MemorySpace>(offsets, "KokkosMoE::PooledWave::offsets");
-      index_t const used = offsets[L];
-      // The callback sees this rank's own slots: [L_me + 1] offsets (ids
-      // beyond L_me never arrive here).
-      int const L_me = placement.num_slots_of_rank(me);
-      std::vector<index_t> const my_offsets(offsets.begin(), offsets.begin() + L_me + 1);
-      auto const my_offsets_d = Kokkos::subview(offsets_d, std::pair<int, int>(0, L_me + 1));
-      // compact_of(x) = compact row of pool row x, or -1 (empty or dropped).
-      Kokkos::View<index_t*, MemorySpace> compact_of("KokkosMoE::PooledWave::compact_of", n_pool);
-      Kokkos::View<index_t*, MemorySpace> source_of(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::source_of"), used);
-      Kokkos::deep_copy(exec, compact_of, -1);
-      Kokkos::parallel_for(
-          "KokkosMoE::PooledWave::compact", Kokkos::RangePolicy<Exec>(exec, 0, n_pool), KOKKOS_LAMBDA(index_t p) {
-            index_t const x = by_expert(p);
-            int const q = ekey(x);
-            if (q >= L) return;
-            index_t const i = p - e_off(q);
-            if (i >= Rr) return;
-            index_t const c = offsets_d(q) + i;
-            compact_of(x) = c;
-            source_of(c) = (x / Rs) * pool + 1 + (x % Rs);
-          });
-      auto x_em = work_.payload(exec, "pooled_x_em", dispatch_type, d, used);
-      gather_rows(exec, recv, KOKKOS_LAMBDA(index_t c)->index_t { return source_of(c); }, x_em, "KokkosMoE::PooledWave::compact_rows");
-      Compat::fence(exec, "KokkosMoE::PooledWave: compacted");
-      wave_stage.seconds = timer.seconds();
-      // A failing expert on one rank fails the wave on every rank (the return
-      // pools are static, so nobody would notice otherwise).
-      PayloadBuffer<MemorySpace> y_em;
-      std::string const problem = Impl::problem_of([&] {
-        KOKKOSMOE_REQUIRE(used == my_offsets.back(), "pooled-wave: rows arrived for local expert ids beyond this rank's " << L_me << " slots");
-        y_em = expert(x_em, my_offsets, my_offsets_d);
-        KOKKOSMOE_REQUIRE(y_em.rows() == used && y_em.type == return_type && y_em.width == d,
-                          "pooled-wave expert callback returned " << y_em.rows() << " rows of " << to_string(y_em.type) << "/"
-                                                                  << y_em.width << " for " << used << " rows of "
-                                                                  << to_string(return_type) << "/" << d);
-      });
-      agree_or_throw(ep, problem, "pooled-wave experts", options_);
-      timer.reset();
-
-      // Return pools: the header's bit j flags that pool row j carries a result.
-      auto bb = back.bytes;
-      zero_fill(exec, bb);
-      index_t const flag_bytes = (Rs + 7) / 8;
-      Kokkos::parallel_for(
-          "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * flag_bytes),
-          KOKKOS_LAMBDA(index_t x) {
-            index_t const s = x / flag_bytes, byte = x % flag_bytes;
-            unsigned char flags = 0;
-            for (int b = 0; b < 8; ++b) {
-              index_t const j = byte * 8 + b;
-              if (j < Rs && compact_of(s * Rs + j) >= 0) flags = static_cast<unsigned char>(flags | (1u << b));
-            }
-            bb(s * pool, byte) = flags;
-          });
-      Impl::scatter_rows(exec, y_em, KOKKOS_LAMBDA(index_t c)->index_t { return source_of(c); }, back,
-                         "KokkosMoE::PooledWave::return_rows");
-      transport_.alltoallv(exec, ep, {RowSet<MemorySpace>{back.bytes, got.bytes}}, uniform, uniform,
-                     "pooled-wave combine rows", options_);
-      {
-        StageLedger st{"wave " + std::to_string(w) + " (return)", ep.name()};
-        // What returns: one row per received route that was kept.
-        std::vector<std::int64_t> kept_from(static_cast<std::size_t>(P), 0);
-        auto hc = Impl::host_vector(compact_of);
-        for (int s = 0; s < P; ++s)
-          for (index_t j = 0; j < Rs; ++j) kept_from[s] += hc[static_cast<std::size_t>(s * Rs + j)] >= 0 ? 1 : 0;
-        add_sends(st, kept_from, ep.peer_order(), me, nor, back.row_bytes(), 0);
-        for (int s = 0; s < P; ++s) {
-          st.padding_rows += Rs - kept_from[s];
-          st.header_rows += 1;
-          auto const c = ep.global_rank(s) == me ? LinkClass::same_rank
-                         : nor[static_cast<std::size_t>(ep.global_rank(s))] == nor[static_cast<std::size_t>(me)] ? LinkClass::intra_node
-                                                                                                              : LinkClass::inter_node;
-          st.by_class[static_cast<int>(c)].meta_bytes += back.row_bytes();
-          if (kept_from[s] == 0) st.by_class[static_cast<int>(c)].messages += 1;
-        }
-        res.ledger.combine.stages.push_back(st);
-      }
-      // Sender: results to their send positions (dropped rows stay zero).
-      auto gb = got.bytes;
-      auto out = res.returned.bytes;
-      std::int64_t const grb = got.row_bytes();
-      using policy_t = Kokkos::TeamPolicy<Exec>;
-      Kokkos::parallel_for(
-          "KokkosMoE::PooledWave::collect", KokkosMoE::Impl::row_policy(exec, n_pool),
-          KOKKOS_LAMBDA(typename policy_t::member_type const& team) {
-            index_t const x = team.league_rank();
-            int const q = static_cast<int>(x / Rs);
-            index_t const j = x % Rs;
-            index_t const a = pool_route(w, q, j);
-            if (a < 0 || ((gb(q * pool, j / 8) >> (j % 8)) & 1u) == 0) return;
-            KokkosMoE::Impl::copy_row_bytes(team, &gb(q * pool + 1 + j, 0), &out(inv(a), 0), grb);
-          });
-      Compat::fence(exec, "KokkosMoE::PooledWave: wave collected");
-      res.ledger.combine.stages.back().seconds = timer.seconds();
+  /// Ledger stage of one wave's pools: every peer gets a full pool; useful
+  /// rows carry a route, the rest is padding, plus one header row each.
+  StageLedger wave_stage(State const& st, int wave, std::int64_t row_bytes, bool back) const {
+    auto const& ep = this->comms_->ep();
+    int const P = ep.size();
+    index_t const Rs = shapes_.sender_pool_rows;
+    int const me = this->me_;
+    auto const& nor = this->node_of_rank_;
+    std::vector<std::int64_t> useful(static_cast<std::size_t>(P), 0);
+    if (!back) {
+      auto const hp = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.pool_route);
+      for (int q = 0; q < P; ++q)
+        for (index_t j = 0; j < Rs; ++j) useful[static_cast<std::size_t>(q)] += hp(q, j) >= 0 ? 1 : 0;
+    } else {
+      // What returns: one row per received route that was kept.
+      auto const hc = Impl::host_vector(st.compact_of);
+      for (int s = 0; s < P; ++s)
+        for (index_t j = 0; j < Rs; ++j) useful[static_cast<std::size_t>(s)] += hc[static_cast<std::size_t>(s * Rs + j)] >= 0 ? 1 : 0;
     }
-    res.receiver_drops = receiver_drops;
-    res.ledger.dispatch.receiver_drops = receiver_drops;
-    // Routes delivered: what this rank sent minus what it dropped on receipt
-    // (sums over ranks give the global count).
-    res.ledger.dispatch.useful_rows = (A - sender_drops) - receiver_drops;
-    res.ledger.combine.useful_rows = res.ledger.dispatch.useful_rows;
-    return res;
+    StageLedger sl{"wave " + std::to_string(wave) + (back ? " (return)" : ""), ep.name()};
+    add_sends(sl, useful, ep.peer_order(), me, nor, row_bytes, 0);
+    for (int q = 0; q < P; ++q) {
+      sl.padding_rows += Rs - useful[static_cast<std::size_t>(q)];
+      sl.header_rows += 1;
+      int const g = ep.global_rank(q);
+      auto const c = g == me ? LinkClass::same_rank
+                     : nor[static_cast<std::size_t>(g)] == nor[static_cast<std::size_t>(me)] ? LinkClass::intra_node
+                                                                                              : LinkClass::inter_node;
+      sl.by_class[static_cast<int>(c)].meta_bytes += row_bytes;
+      if (useful[static_cast<std::size_t>(q)] == 0) sl.by_class[static_cast<int>(c)].messages += 1;  // the pool moves even when empty
+    }
+    return sl;
+  }
+
+  /// Receiver: the wave's rows compacted per local expert in (source, pool
+  /// row) order, the first expert_rows rows of each expert kept and decoded
+  /// into the handle's expert rows. Returns the receiver drops.
+  template <class T>
+  std::int64_t compact(Exec const& exec, State& st, DispatchHandle<T, MS>& h, PayloadBuffer<MS> const& recv) {
+    auto const& ep = this->comms_->ep();
+    int const P = ep.size();
+    int const L = shape_.local_experts;
+    int const bits = pooled_wave_id_bits(L);
+    index_t const Rs = shapes_.sender_pool_rows;
+    index_t const Rr = shapes_.receiver_expert_rows;
+    index_t const pool = shapes_.pool_rows_with_header;
+    index_t const n_pool = static_cast<index_t>(P) * Rs;
+    auto ekey = this->work_.template vector<int>(exec, "expert_key", n_pool);
+    auto rb = recv.bytes;
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::read_headers", Kokkos::RangePolicy<Exec>(exec, 0, n_pool), KOKKOS_LAMBDA(index_t x) {
+          int const s = static_cast<int>(x / Rs);
+          index_t const j = x % Rs;
+          int const id = Impl::read_packed_id(&rb(s * pool, 0), j, bits);
+          ekey(x) = id < L ? id : L;
+        });
+    auto by_expert = this->work_.template vector<index_t>(exec, "by_expert", n_pool);
+    index_view e_off("KokkosMoE::PooledWave::e_off", L + 2);
+    stable_counting_sort(exec, ekey, L + 1, by_expert, e_off, "KokkosMoE::PooledWave::by_expert");
+    auto const he = Impl::host_vector(e_off);
+    std::vector<index_t> offsets(static_cast<std::size_t>(L) + 1, 0);
+    std::int64_t receiver_drops = 0;
+    for (int q = 0; q < L; ++q) {
+      index_t const n = he[q + 1] - he[q];
+      index_t const kept = n < Rr ? n : Rr;
+      receiver_drops += n - kept;
+      offsets[q + 1] = offsets[q] + kept;
+    }
+    auto offsets_d = Impl::device_vector<MS>(offsets, "KokkosMoE::PooledWave::offsets");
+    index_t const used = offsets[static_cast<std::size_t>(L)];
+    st.compact_of = index_view("KokkosMoE::PooledWave::compact_of", n_pool);
+    st.source_of = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::source_of"), used);
+    Kokkos::deep_copy(exec, st.compact_of, -1);
+    auto compact_of = st.compact_of;
+    auto source_of = st.source_of;
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::compact", Kokkos::RangePolicy<Exec>(exec, 0, n_pool), KOKKOS_LAMBDA(index_t p) {
+          index_t const x = by_expert(p);
+          int const q = ekey(x);
+          if (q >= L) return;
+          index_t const i = p - e_off(q);
+          if (i >= Rr) return;
+          index_t const c = offsets_d(q) + i;
+          compact_of(x) = c;
+          source_of(c) = (x / Rs) * pool + 1 + (x % Rs);
+        });
+    // This rank's own slots (ids beyond them never arrive here).
+    int const L_me = this->placement_.num_slots_of_rank(this->me_);
+    agree(ep.comm(), problem_of([&] {
+            KOKKOSMOE_REQUIRE(used == offsets[static_cast<std::size_t>(L_me)],
+                              "pooled-wave: rows arrived for local expert ids beyond this rank's " << L_me << " slots");
+            std::vector<index_t> counts(static_cast<std::size_t>(L_me));
+            for (int q = 0; q < L_me; ++q) counts[static_cast<std::size_t>(q)] = offsets[q + 1] - offsets[q];
+            this->set_expert_rows(exec, h, counts, recv.width);
+            gather_rows(exec, recv, source_of, h.expert_rows, "KokkosMoE::PooledWave::compact_rows");
+          }),
+          "pooled-wave compaction", this->config_.watchdog_seconds);
+    Compat::fence(exec, "KokkosMoE::PooledWave: compacted");
+    return receiver_drops;
+  }
+
+  /// Return pools: the header's bit j flags that pool row j carries a result.
+  template <class T>
+  void return_pools(Exec const& exec, State const& st, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& back) {
+    int const P = this->comms_->ep().size();
+    index_t const Rs = shapes_.sender_pool_rows;
+    index_t const pool = shapes_.pool_rows_with_header;
+    auto bb = back.bytes;
+    zero_fill(exec, bb);
+    index_t const flag_bytes = (Rs + 7) / 8;
+    auto compact_of = st.compact_of;
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * flag_bytes),
+        KOKKOS_LAMBDA(index_t x) {
+          index_t const s = x / flag_bytes, byte = x % flag_bytes;
+          unsigned char flags = 0;
+          for (int b = 0; b < 8; ++b) {
+            index_t const j = byte * 8 + b;
+            if (j < Rs && compact_of(s * Rs + j) >= 0) flags = static_cast<unsigned char>(flags | (1u << b));
+          }
+          bb(s * pool, byte) = flags;
+        });
+    scatter_rows(exec, expert_out, st.source_of, back, "KokkosMoE::PooledWave::return_rows");
+  }
+
+  /// Sender: the return row of every route of this wave, at its send
+  /// position: the result when its pool row came back flagged, else zeros
+  /// (a sender drop has no pool row, a receiver drop no flag).
+  template <class T>
+  void collect(Exec const& exec, State const& st, DispatchHandle<T, MS> const& h, PayloadBuffer<MS> const& got,
+               PayloadBuffer<MS> const& returned) {
+    int const W = shape_.waves;
+    int const wave = h.wave;
+    index_t const Rs = shapes_.sender_pool_rows;
+    index_t const pool = shapes_.pool_rows_with_header;
+    auto gb = got.bytes;
+    auto out = returned.bytes;
+    std::int64_t const rb = got.row_bytes();
+    auto position = st.position;
+    auto dest = h.routes.dest_rank;
+    auto inv = h.plan.inv;
+    auto ep_slot = ep_slot_;
+    using member_t = typename Kokkos::TeamPolicy<Exec>::member_type;
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::collect", KokkosMoE::Impl::row_policy(exec, h.routes.size()), KOKKOS_LAMBDA(member_t const& team) {
+          index_t const a = team.league_rank();
+          index_t const i = position(a);
+          if (i % W != wave) return;
+          index_t const j = i / W;
+          int const q = ep_slot(dest(a));
+          unsigned char* dst = &out(inv(a), 0);
+          if (j < Rs && ((gb(q * pool, j / 8) >> (j % 8)) & 1u) != 0) {
+            KokkosMoE::Impl::copy_row_bytes(team, &gb(q * pool + 1 + j, 0), dst, rb);
+          } else {
+            Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, static_cast<int>(rb)), [&](int b) { dst[b] = 0; });
+          }
+        });
   }
 
  private:
-  std::vector<int> slot_table() const {
-    std::vector<int> s(static_cast<std::size_t>(comms_->size()));
-    for (int r = 0; r < comms_->size(); ++r) s[static_cast<std::size_t>(r)] = comms_->ep().slot_of(r);
-    return s;
-  }
-
-  Topology::CommunicatorSet const* comms_;
-  PooledWaveConfig config_;
-  TransportOptions options_;
+  PooledWaveConfig shape_;
   PooledWaveShapes shapes_;
-  Impl::Workspace<MemorySpace> work_;
-  TransportContext<Transport, MemorySpace> transport_;
+  Kokkos::View<int*, MS> ep_slot_;
+  Kokkos::View<int*, MS> local_id_;
+};
+
+template <>
+struct AlgorithmClass<Algorithm::pooled_wave> {
+  template <class Exec, class MS>
+  using type = PooledWaveExchange<Exec, MS>;
 };
 
 }  // namespace Exchange

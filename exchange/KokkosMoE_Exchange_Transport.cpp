@@ -167,43 +167,21 @@ AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_
   MPI_Comm_rank(MPI_COMM_WORLD, &world);
   // Every peer has entered this call (its counts arrived), so a blocking
   // agreement cannot hang here.
-  raise_if_any(comm.comm(), !problem.empty(),
-               std::string(what) + ": count agreement failed on rank " + std::to_string(world) + ": " + problem,
-               "count agreement");
+  agree(comm.comm(), problem.empty() ? problem : std::string(what) + ": count agreement failed on rank " + std::to_string(world) + ": " + problem,
+        "count agreement");
   return agreed;
 }
 
-void agree_or_throw(Topology::Communicator const& comm, std::string const& problem, char const* what,
-                    TransportOptions const& options) {
-  using clock = std::chrono::steady_clock;
-  int const size = comm.size();
-  int const me = comm.my_slot();
-  int mine = problem.empty() ? size : me;
-  int lowest = size;
-  MPI_Request req;
-  KOKKOSMOE_MPI_CHECK(MPI_Iallreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, comm.comm(), &req), comm.comm());
-  auto const start = clock::now();
-  int flag = 0;
-  int spins = 0;
-  while (true) {
-    KOKKOSMOE_MPI_CHECK(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), comm.comm());
-    if (flag) break;
-    if (++spins > 64) {
-      std::this_thread::yield();
-      spins = 0;
-    }
-    double const waited = std::chrono::duration<double>(clock::now() - start).count();
-    if (options.watchdog_seconds > 0 && waited > options.watchdog_seconds) {
-      int world = -1;
-      MPI_Comm_rank(MPI_COMM_WORLD, &world);
-      KOKKOSMOE_THROW(what << ": rank " << world << " (slot " << me << " of " << comm.name() << ") waited " << waited
-                           << " s in the agreement over all " << size << " ranks of " << comm.name()
-                           << "; at least one of them did not enter this call");
-    }
-  }
-  if (lowest == size) return;
-  // Everyone is here: the lowest failing rank's message goes to all.
-  raise_if_any(comm.comm(), !problem.empty(), problem, what);
+bool transport_available(TransportKind kind) { return transport_unavailable_reason(kind).empty(); }
+
+std::string transport_unavailable_reason(TransportKind kind) {
+  if (kind == TransportKind::mpi) return {};
+#if defined(KOKKOSMOE_HAVE_NCCL)
+  return {};
+#else
+  return "exchange transport 'nccl' is not available: this KokkosMoE was built without NCCL (build option "
+         "KokkosMoE_ENABLE_NCCL=ON, which needs a Kokkos with the CUDA backend and NCCL, found through NCCL_ROOT)";
+#endif
 }
 
 }  // namespace Exchange

@@ -2,9 +2,11 @@
 #define KOKKOSMOE_EXCHANGE_TRANSPORT_HPP
 
 /// \file KokkosMoE_Exchange_Transport.hpp
-/// \brief Transports selected by tag (Mpi, Nccl) and the one primitive every
-/// exchange algorithm is built from: a variable all-to-all of rows over one
-/// communicator, in that communicator's peer order. Rows are whole records
+/// \brief The transport interface (MPI here, NCCL in
+/// KokkosMoE_Exchange_Nccl.hpp, chosen at run time by TransportKind) and the
+/// one primitive every exchange algorithm is built from: a variable
+/// all-to-all of rows over one communicator, in that communicator's peer
+/// order. Rows are whole records
 /// (one MPI datatype of row_bytes bytes, so counts are row counts and never
 /// overflow int for realistic sizes); rows for the calling rank itself are
 /// local copies, never messages. Every wait runs under a watchdog that names
@@ -12,38 +14,21 @@
 
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Error.hpp>
+#include <KokkosMoE_Exchange_Config.hpp>
 #include <KokkosMoE_PayloadBuffer.hpp>
-#include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_RowKit.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
+#include <KokkosMoE_Types.hpp>
 #include <KokkosMoE_config.hpp>
 
 #include <mpi.h>
 
-#include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace KokkosMoE {
 namespace Exchange {
-
-/// \brief MPI transport: host buffers, or device buffers directly when the
-/// MPI is CUDA-aware, otherwise staged through host mirrors.
-struct Mpi {
-  static constexpr char const* name = "mpi";
-};
-
-/// \brief NCCL transport: grouped ncclSend/ncclRecv on the execution space
-/// instance's stream (built when KokkosMoE has NCCL and Kokkos has CUDA).
-struct Nccl {
-  static constexpr char const* name = "nccl";
-};
-
-/// \brief Watchdog and transport options shared by the exchange algorithms.
-struct TransportOptions {
-  /// Seconds a rank waits for its peers before reporting which ones are
-  /// missing and failing the call (0: wait forever).
-  double watchdog_seconds = 300.0;
-};
 
 /// \brief Rows of one buffer pair moved by one all-to-all: send rows leave in
 /// peer-slot order (segments by send counts), recv rows arrive grouped by
@@ -53,13 +38,6 @@ struct RowSet {
   Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace> send;
   Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace> recv;
 };
-
-/// \brief Reinterprets a view of trivially copyable records as [n, sizeof(T)] bytes.
-template <class T, class MS>
-Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS> as_rows(Kokkos::View<T*, MS> const& v) {
-  return Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>(reinterpret_cast<unsigned char*>(v.data()), v.extent(0),
-                                                                sizeof(T));
-}
 
 /// \brief True when device buffers may be passed to MPI: the configured
 /// policy (KokkosMoE_CUDA_AWARE_MPI), else MPIX_Query_cuda_support() when the
@@ -94,10 +72,9 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
 /// before posting (the send rows must be complete) and returns with the
 /// receive rows written.
 template <class Exec, class MS>
-void alltoallv_rows(Mpi, Exec const& exec, Topology::Communicator const& comm, std::initializer_list<RowSet<MS>> set_list,
-                    std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
-                    TransportOptions const& options = {}) {
-  std::vector<RowSet<MS>> const sets(set_list);
+void mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MS>> const& sets,
+                        std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
+                        TransportOptions const& options = {}) {
   int const P = comm.size();
   int const me = comm.my_slot();
   KOKKOSMOE_REQUIRE(static_cast<int>(send_counts.size()) == P && static_cast<int>(recv_counts.size()) == P,
@@ -157,22 +134,31 @@ void alltoallv_rows(Mpi, Exec const& exec, Topology::Communicator const& comm, s
   Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: staged back");
 }
 
-/// \brief Per-exchange transport state selected by the tag: nothing for MPI
-/// (the communicators are MPI's own), NCCL communicators for Nccl (see
-/// KokkosMoE_Exchange_Nccl.hpp). Every exchange algorithm moves rows through
-/// its context's alltoallv().
-template <class Transport, class MemorySpace>
-class TransportContext;
-
-template <class MemorySpace>
-class TransportContext<Mpi, MemorySpace> {
+/// \brief A transport: moves rows of buffer pairs over one communicator of a
+/// communicator set (see mpi_alltoallv_rows for the contract). Every exchange
+/// algorithm moves its rows through one, chosen by configuration
+/// (make_transport in KokkosMoE_Exchange_Nccl.hpp).
+template <class Exec, class MemorySpace>
+class Transport {
  public:
-  explicit TransportContext(Topology::CommunicatorSet const&) {}
-  template <class Exec>
-  void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::initializer_list<RowSet<MemorySpace>> sets,
+  virtual ~Transport() = default;
+  virtual TransportKind kind() const = 0;
+  /// Counts per peer slot of comm, already agreed; returns with the receive
+  /// rows written (blocking on exec).
+  virtual void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
+                         std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
+                         TransportOptions const& options) = 0;
+};
+
+/// \brief The MPI transport (every build).
+template <class Exec, class MemorySpace>
+class MpiTransport final : public Transport<Exec, MemorySpace> {
+ public:
+  TransportKind kind() const override { return TransportKind::mpi; }
+  void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                  std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
-                 TransportOptions const& options) {
-    alltoallv_rows(Mpi{}, exec, comm, sets, send_counts, recv_counts, what, options);
+                 TransportOptions const& options) override {
+    mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options);
   }
 };
 
@@ -191,14 +177,6 @@ struct AgreedCounts {
 AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
                           index_t rows_available, std::vector<index_t> const* expected_recv, char const* what,
                           TransportOptions const& options = {}, std::string const& local_problem = {});
-
-/// \brief Collective over comm like raise_if_any(), but the agreement runs as
-/// a nonblocking reduction under the watchdog, so a rank that never enters
-/// the call is reported (naming the communicator and the step) instead of
-/// hanging everybody. Throws the same CollectiveError on every rank when any
-/// rank passes a non-empty problem.
-void agree_or_throw(Topology::Communicator const& comm, std::string const& problem, char const* what,
-                    TransportOptions const& options = {});
 
 }  // namespace Exchange
 }  // namespace KokkosMoE

@@ -7,38 +7,6 @@
 namespace KokkosMoE {
 namespace Experts {
 
-std::string to_string(RunnerKind k) {
-  switch (k) {
-    case RunnerKind::grouped: return "grouped";
-    case RunnerKind::blas: return "blas";
-    case RunnerKind::padded: return "padded";
-    case RunnerKind::block: return "block";
-    case RunnerKind::scalar: return "scalar";
-  }
-  return "unknown";
-}
-
-RunnerKind runner_kind_from_string(std::string const& name) {
-  for (RunnerKind k : {RunnerKind::grouped, RunnerKind::blas, RunnerKind::padded, RunnerKind::block, RunnerKind::scalar})
-    if (to_string(k) == name) return k;
-  KOKKOSMOE_THROW("Experts: unknown runner '" << name << "' (expected grouped, blas, padded, block or scalar)");
-}
-
-std::string to_string(GroupedKernel k) {
-  switch (k) {
-    case GroupedKernel::automatic: return "auto";
-    case GroupedKernel::host_simd: return "host_simd";
-    case GroupedKernel::portable: return "portable";
-  }
-  return "unknown";
-}
-
-GroupedKernel grouped_kernel_from_string(std::string const& name) {
-  for (GroupedKernel k : {GroupedKernel::automatic, GroupedKernel::host_simd, GroupedKernel::portable})
-    if (to_string(k) == name) return k;
-  KOKKOSMOE_THROW("Experts: unknown grouped kernel '" << name << "' (expected auto, host_simd or portable)");
-}
-
 namespace Impl {
 
 void validate_offsets(std::vector<index_t> const& offs, index_t rows, int num_slots) {

@@ -46,14 +46,17 @@
 /// GEMM-internal padding inside a kernel is not counted. Matmul FLOPs are
 /// analytical: 6 * rows * d * d_ff (three GEMMs of 2 * rows * d * d_ff).
 
+#include <KokkosMoE_EnumNames.hpp>
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Experts_Weights.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Payload.hpp>
+#include <KokkosMoE_RowKit.hpp>
 #include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
 #include <impl/KokkosMoE_Experts_Grouped.hpp>
 #include <impl/KokkosMoE_Experts_HostKernels.hpp>
-#include <impl/KokkosMoE_Gemm.hpp>
+#include <KokkosMoE_Gemm.hpp>
 
 #include <cstdint>
 #include <sstream>
@@ -69,9 +72,15 @@ namespace Experts {
 enum class RunnerKind : int { grouped = 0, blas = 1, padded = 2, block = 3, scalar = 4 };
 
 /// \brief "grouped", "blas", "padded", "block", "scalar".
-std::string to_string(RunnerKind k);
-/// \brief Inverse of to_string; throws Error naming the accepted spellings.
-RunnerKind runner_kind_from_string(std::string const& name);
+inline EnumTable<RunnerKind> const& names_of(RunnerKind) {
+  static EnumTable<RunnerKind> const t{"runner",
+                                       {{RunnerKind::grouped, "grouped"},
+                                        {RunnerKind::blas, "blas"},
+                                        {RunnerKind::padded, "padded"},
+                                        {RunnerKind::block, "block"},
+                                        {RunnerKind::scalar, "scalar"}}};
+  return t;
+}
 
 /// \brief Which grouped kernel mapping runs (grouped and block runners).
 enum class GroupedKernel : int {
@@ -79,8 +88,13 @@ enum class GroupedKernel : int {
   host_simd = 1,  ///< host micro-kernels (host execution spaces only)
   portable = 2,   ///< the team/vector kernel used on GPUs (any space)
 };
-std::string to_string(GroupedKernel k);
-GroupedKernel grouped_kernel_from_string(std::string const& name);
+inline EnumTable<GroupedKernel> const& names_of(GroupedKernel) {
+  static EnumTable<GroupedKernel> const t{"grouped kernel",
+                                          {{GroupedKernel::automatic, "auto"},
+                                           {GroupedKernel::host_simd, "host_simd"},
+                                           {GroupedKernel::portable, "portable"}}};
+  return t;
+}
 
 /// \brief Runner selection and its parameters.
 struct RunnerOptions {
@@ -134,33 +148,6 @@ struct PaddedLayout {
 PaddedLayout padded_layout(std::vector<index_t> const& offs, RunnerOptions const& o);
 PaddedLayout block_layout(std::vector<index_t> const& offs, index_t block);
 
-/// Byte buffers reused across runs (grown on demand).
-template <class MemorySpace>
-class Workspace {
- public:
-  Workspace() : buffers_(num_buffers) {}
-
-  template <class T>
-  Kokkos::View<T**, Kokkos::LayoutRight, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> matrix(int id, index_t rows,
-                                                                                                    index_t cols) {
-    std::size_t const bytes = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) * sizeof(T);
-    auto& b = buffers_.at(static_cast<std::size_t>(id));
-    if (b.extent(0) < bytes + 64) {
-      b = Kokkos::View<unsigned char*, MemorySpace>();
-      b = Kokkos::View<unsigned char*, MemorySpace>(
-          Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::Runner::workspace"), bytes + 64);
-    }
-    return Kokkos::View<T**, Kokkos::LayoutRight, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
-        reinterpret_cast<T*>(b.data()), rows, cols);
-  }
-  static constexpr int num_buffers = 9;
-
- private:
-  std::vector<Kokkos::View<unsigned char*, MemorySpace>> buffers_;
-};
-
-enum WorkspaceId : int { ws_h = 0, ws_u = 1, ws_x = 2, ws_y = 3, ws_wg = 4, ws_wu = 5, ws_wd = 6, ws_batch = 7, ws_batch_out = 8 };
-
 template <class T, class MemorySpace>
 using Unmanaged2D = Kokkos::View<T**, Kokkos::LayoutRight, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
@@ -174,36 +161,6 @@ void convert_matrix(ExecutionSpace const& exec, Src const& src, Dst const& dst, 
                        KOKKOS_LAMBDA(std::size_t idx) {
                          std::size_t const r = idx / cols, c = idx - r * cols;
                          dst(r, c) = from_float<out_t>(to_float(src(r, c)));
-                       });
-}
-
-/// dst(r, :) = src(map[r], :) for map[r] >= 0, zero otherwise.
-template <class ExecutionSpace, class Src, class Dst, class Map>
-void gather_rows(ExecutionSpace const& exec, Src const& src, Dst const& dst, Map const& map) {
-  using out_t = typename Dst::non_const_value_type;
-  std::size_t const cols = dst.extent(1);
-  std::size_t const total = dst.extent(0) * cols;
-  Kokkos::parallel_for("KokkosMoE::Experts::Runner::gather",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, total),
-                       KOKKOS_LAMBDA(std::size_t idx) {
-                         std::size_t const r = idx / cols, c = idx - r * cols;
-                         index_t const s = map(r);
-                         dst(r, c) = s >= 0 ? from_float<out_t>(to_float(src(s, c))) : from_float<out_t>(0.0f);
-                       });
-}
-
-/// dst(map[r], :) = src(r, :) for map[r] >= 0 (every source row once).
-template <class ExecutionSpace, class Src, class Dst, class Map>
-void scatter_rows(ExecutionSpace const& exec, Src const& src, Dst const& dst, Map const& map) {
-  using out_t = typename Dst::non_const_value_type;
-  std::size_t const cols = src.extent(1);
-  std::size_t const total = src.extent(0) * cols;
-  Kokkos::parallel_for("KokkosMoE::Experts::Runner::scatter",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, total),
-                       KOKKOS_LAMBDA(std::size_t idx) {
-                         std::size_t const r = idx / cols, c = idx - r * cols;
-                         index_t const s = map(r);
-                         if (s >= 0) dst(s, c) = from_float<out_t>(to_float(src(r, c)));
                        });
 }
 
@@ -384,7 +341,7 @@ class Runner {
                    std::vector<index_t> const& offs, YV const& Y, RunLedger& ledger) {
     int const d = w.d(), dff = w.d_ff();
     index_t const n = offs.back();
-    auto H = ws_.template matrix<float>(Impl::ws_h, n, dff);
+    auto H = ws_.template matrix<float>(exec, "h", n, dff);
     using weights_view = typename ExpertWeights<WT, MemorySpace>::tensor_type;
     if (use_host_simd()) {
       if constexpr (Impl::is_host_exec<ExecutionSpace>()) {
@@ -490,13 +447,13 @@ class Runner {
     using yt = typename YV::non_const_value_type;
     int const d = w.d(), dff = w.d_ff(), L = w.num_slots();
     index_t const n = offs.back();
-    auto G = ws_.template matrix<float>(Impl::ws_h, n, dff);
-    auto U = ws_.template matrix<float>(Impl::ws_u, n, dff);
+    auto G = ws_.template matrix<float>(exec, "h", n, dff);
+    auto U = ws_.template matrix<float>(exec, "u", n, dff);
     auto Xf = Impl::Unmanaged2D<float const, MemorySpace>();
     if constexpr (std::is_same<xt, float>::value) {
       Xf = Impl::Unmanaged2D<float const, MemorySpace>(X.data(), X.extent(0), X.extent(1));
     } else {
-      auto buf = ws_.template matrix<float>(Impl::ws_x, n, d);
+      auto buf = ws_.template matrix<float>(exec, "x", n, d);
       Impl::convert_matrix(exec, X, buf, "KokkosMoE::Experts::Runner::blas[convert X]");
       ledger.kernel_launches += 1;
       Xf = buf;
@@ -505,7 +462,7 @@ class Runner {
     if constexpr (std::is_same<yt, float>::value) {
       Yf = Impl::Unmanaged2D<float, MemorySpace>(Y.data(), Y.extent(0), Y.extent(1));
     } else {
-      Yf = ws_.template matrix<float>(Impl::ws_y, n, d);
+      Yf = ws_.template matrix<float>(exec, "y", n, d);
     }
     GemmPath path = options_.gemm_path;
     GemmPath ran = GemmPath::generic;
@@ -519,9 +476,9 @@ class Runner {
         wu = Impl::Unmanaged2D<float const, MemorySpace>(w.up().data() + per, dff, d);
         wd = Impl::Unmanaged2D<float const, MemorySpace>(w.down().data() + per, d, dff);
       } else {
-        auto cg = ws_.template matrix<float>(Impl::ws_wg, dff, d);
-        auto cu = ws_.template matrix<float>(Impl::ws_wu, dff, d);
-        auto cd = ws_.template matrix<float>(Impl::ws_wd, d, dff);
+        auto cg = ws_.template matrix<float>(exec, "wg", dff, d);
+        auto cu = ws_.template matrix<float>(exec, "wu", dff, d);
+        auto cd = ws_.template matrix<float>(exec, "wd", d, dff);
         Impl::convert_matrix(exec, Kokkos::subview(w.gate(), q, Kokkos::ALL, Kokkos::ALL), cg,
                              "KokkosMoE::Experts::Runner::blas[convert W]");
         Impl::convert_matrix(exec, Kokkos::subview(w.up(), q, Kokkos::ALL, Kokkos::ALL), cu,
@@ -576,9 +533,9 @@ class Runner {
     }
     ledger.descriptor_bytes += static_cast<index_t>(lay.row_map.size() * sizeof(index_t));
     // The batch: input rows in X's type, output rows in Y's type (separate buffers).
-    auto Xb = ws_.template matrix<xt>(Impl::ws_batch, rows, d);
-    Impl::gather_rows(exec, X, Xb, map);
-    auto Yb = ws_.template matrix<yt>(Impl::ws_batch_out, rows, d);
+    auto Xb = ws_.template matrix<xt>(exec, "batch", rows, d);
+    gather_rows(exec, X, map, Xb, "KokkosMoE::Experts::Runner::gather", MissingRow::zero);
+    auto Yb = ws_.template matrix<yt>(exec, "batch_out", rows, d);
     auto Xbc = Impl::Unmanaged2D<xt const, MemorySpace>(Xb.data(), Xb.extent(0), Xb.extent(1));
     if (blocked) {
       run_grouped(exec, w, Xbc, lay.offsets, Yb, ledger);
@@ -587,12 +544,12 @@ class Runner {
       run_blas(exec, w, Xbc, lay.offsets, Yb, ledger);
       ledger.path = "padded/" + ledger.path;
     }
-    Impl::scatter_rows(exec, Yb, Y, map);
+    scatter_rows(exec, Yb, map, Y, "KokkosMoE::Experts::Runner::scatter");
     ledger.kernel_launches += 2;
   }
 
   RunnerOptions options_;
-  Impl::Workspace<MemorySpace> ws_;
+  Workspace<MemorySpace> ws_{"KokkosMoE::Experts::Runner"};
 };
 
 /// \brief One run with a temporary Runner (no buffer reuse); see Runner::run.

@@ -6,7 +6,7 @@
 #include <KokkosMoE_config.hpp>
 
 #ifdef KOKKOSMOE_HAVE_HDF5
-#include <impl/KokkosMoE_Hdf5.hpp>
+#include <KokkosMoE_Hdf5.hpp>
 #endif
 
 #include <algorithm>
@@ -17,8 +17,6 @@
 
 namespace KokkosMoE {
 namespace Experts {
-
-std::string to_string(WeightDType t) { return t == WeightDType::fp32 ? "float32" : "bfloat16"; }
 
 namespace Impl {
 
@@ -62,8 +60,8 @@ namespace {
 constexpr char const* format_name = "KokkosMoE.ExpertWeights";
 constexpr std::int64_t format_version = 1;
 
-using KokkosMoE::Impl::Hid;
-using KokkosMoE::Impl::QuietHdf5;
+using KokkosMoE::Hdf5::Hid;
+using KokkosMoE::Hdf5::QuietHdf5;
 
 // bfloat16 as an HDF5 float: sign bit 15, 8 exponent bits at 7, 7 mantissa
 // bits, bias 127, little endian.

@@ -20,6 +20,7 @@
 /// replicas of one expert are bitwise identical on any rank and at any rank
 /// count, and carry the same digest.
 
+#include <KokkosMoE_EnumNames.hpp>
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Payload.hpp>
@@ -43,7 +44,10 @@ enum class WeightDType : int {
 };
 
 /// \brief "float32" or "bfloat16" (the spelling used in checkpoint files).
-std::string to_string(WeightDType t);
+inline EnumTable<WeightDType> const& names_of(WeightDType) {
+  static EnumTable<WeightDType> const t{"weight dtype", {{WeightDType::fp32, "float32"}, {WeightDType::bf16, "bfloat16"}}};
+  return t;
+}
 
 /// \brief The WeightDType of a storage type (float or bf16_t).
 template <class T>

@@ -27,7 +27,8 @@ TEST_CASE("defaults and values", "[deck]") {
   auto const d = parse_layer_deck("d.toml", "", 4);
   CHECK(d.model.experts == 8);
   CHECK(d.model.top_k == 2);
-  CHECK(d.exchange.algorithm == "flat");
+  CHECK(d.exchange.algorithm == Exchange::Algorithm::flat);
+  CHECK(d.exchange.transport == Exchange::TransportKind::mpi);
   CHECK(d.topology.ranks_per_node == 4);
   CHECK(d.router.num_experts == 8);
   auto const v = parse_layer_deck("d.toml", R"(
@@ -78,6 +79,21 @@ TEST_CASE("errors name file, line, column and key", "[deck]") {
   KMOE_DECK_ERROR("[tokens]\nsource = \"explicit\"\n", 2, "explicit tokens are given for 0 ranks, the run has 2");
   KMOE_DECK_ERROR("[model\n", 1, "d.toml:1:");
   KMOE_DECK_ERROR("[experts]\nrunner = \"scalar\"\nscales = [1, 2]\n", 1, "key 'experts.scales': has 2 entries for 8 experts");
+  KMOE_DECK_ERROR("[exchange]\ntransport = \"ucx\"\n", 1, "d.toml:2:13: key 'exchange.transport': 'ucx' is not one of 'mpi' 'nccl'");
+  KMOE_DECK_ERROR("[run]\ncompare = [\"flat\", \"ring\"]\n", 1, "key 'run.compare': 'ring' is not one of 'flat' 'hierarchical' 'pooled_wave'");
+}
+
+TEST_CASE("the exchange transport is a deck choice; one this build lacks is refused where it is asked for", "[deck][transport]") {
+  auto const mpi = parse_layer_deck("d.toml", "[exchange]\ntransport = \"mpi\"\n", 1);
+  CHECK(mpi.exchange.transport == Exchange::TransportKind::mpi);
+  CHECK(mpi.resolved().find("transport = \"mpi\"") != std::string::npos);
+  std::string const nccl = "[exchange]\nalgorithm = \"hierarchical\"\ntransport = \"nccl\"\n";
+  if (Exchange::transport_available(Exchange::TransportKind::nccl)) {
+    CHECK(parse_layer_deck("d.toml", nccl, 2).exchange.transport == Exchange::TransportKind::nccl);
+  } else {
+    KMOE_DECK_ERROR(nccl, 2, "d.toml:3:13: key 'exchange.transport': exchange transport 'nccl' is not available");
+    KMOE_DECK_ERROR(nccl, 2, "KokkosMoE_ENABLE_NCCL=ON");
+  }
 }
 
 TEST_CASE("shipped decks parse, and the resolved echo parses to the same settings", "[deck]") {

@@ -90,7 +90,7 @@ V17Rank v17_for(int rank) {
 
 template <class X>
 void check_v17(X& xchg, V17Rank const& v, int rank) {
-  auto r = run_step(xchg, v.placement, v.routes, v.hidden, v.scale, rank, v.bases[rank], v.bases, PayloadType::bf16);
+  auto r = run_step(xchg, v.placement, v.routes, v.hidden, v.scale, rank, v.bases[rank], v.bases);
   auto const& ex = v.expected;
   CHECK(r.send_counts == ex.at("count_matrix_src_by_dst")[rank].get<std::vector<index_t>>());
   CHECK(r.recv_counts == ex.at("recv_splits_by_src")[rank].get<std::vector<index_t>>());
@@ -108,7 +108,7 @@ void check_v17(X& xchg, V17Rank const& v, int rank) {
   CHECK(total.dispatch.useful_rows == wl.at("useful_rows_per_direction").get<std::int64_t>());
   CHECK(total.combine.useful_rows == wl.at("useful_rows_per_direction").get<std::int64_t>());
   auto const remote = total.dispatch.by_class(LinkClass::intra_node).payload_bytes + total.dispatch.by_class(LinkClass::inter_node).payload_bytes;
-  if (std::string(X::name) == "flat") {
+  if (X::algorithm == Algorithm::flat) {
     CHECK(total.dispatch.by_class(LinkClass::same_rank).rows == wl.at("same_rank_rows").get<std::int64_t>());
     CHECK(remote == wl.at("remote_payload_bytes_per_direction").get<std::int64_t>());
   }
@@ -125,26 +125,27 @@ TEST_CASE("dispatch_v17 over MPI: flat and hierarchical (1 relay, 2 rails)", "[e
   auto v = v17_for(rank);
   auto topo = virtual_topology({{0, 1}, {2, 3}});
   Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
-  FlatExchange<> flat(comms);
+  auto const bf16 = exchange_config(PayloadType::bf16);
+  FlatExchange<> flat(comms, v.placement, bf16);
   check_v17(flat, v, rank);
-  HierarchicalExchange<> hier(comms);
+  HierarchicalExchange<> hier(comms, v.placement, bf16);
   check_v17(hier, v, rank);
   Topology::CommSpec rails;
   rails.relays_per_node = 2;
   Topology::CommunicatorSet comms2(MPI_COMM_WORLD, topo, rails);
-  HierarchicalExchange<> hier2(comms2);
+  HierarchicalExchange<> hier2(comms2, v.placement, bf16);
   check_v17(hier2, v, rank);
   // Explicit peer order [2, 0, 3, 1]: same results.
   Topology::CommSpec order;
   order.peer_order = {2, 0, 3, 1};
   Topology::CommunicatorSet comms3(MPI_COMM_WORLD, topo, order);
-  FlatExchange<> flat3(comms3);
-  auto r = run_step(flat3, v.placement, v.routes, v.hidden, v.scale, rank, v.bases[rank], v.bases, PayloadType::bf16);
+  FlatExchange<> flat3(comms3, v.placement, bf16);
+  auto r = run_step(flat3, v.placement, v.routes, v.hidden, v.scale, rank, v.bases[rank], v.bases);
   if (rank == 0) CHECK(r.send_counts == std::vector<index_t>{1, 1, 0, 2});
   if (rank == 1) CHECK(r.recv_counts == std::vector<index_t>{0, 2, 0, 1});
   CHECK(r.expert_major_ids == v.expected.at("expert_major_route_ids")[rank].get<std::vector<index_t>>());
-  HierarchicalExchange<> hier3(comms3);
-  auto r3 = run_step(hier3, v.placement, v.routes, v.hidden, v.scale, rank, v.bases[rank], v.bases, PayloadType::bf16);
+  HierarchicalExchange<> hier3(comms3, v.placement, bf16);
+  auto r3 = run_step(hier3, v.placement, v.routes, v.hidden, v.scale, rank, v.bases[rank], v.bases);
   CHECK(r3.arrival_ids == r.arrival_ids);
   CHECK(r3.expert_major_ids == r.expert_major_ids);
 }
@@ -247,25 +248,26 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
           Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, spec);
           INFO("np " << size << " ranks/node " << rpn << " R " << R << " dist " << static_cast<int>(dist)
                      << " explicit order " << !peer_order.empty());
-          FlatExchange<> flat(comms);
-          HierarchicalExchange<> hier(comms);
-          auto rf = run_step(flat, placement, routes, hidden, scale, rank, bases[rank], bases, PayloadType::fp32, nor[rank]);
-          auto rh = run_step(hier, placement, routes, hidden, scale, rank, bases[rank], bases, PayloadType::fp32, nor[rank]);
+          auto const fp32 = exchange_config(PayloadType::fp32);
+          FlatExchange<> flat(comms, placement, fp32);
+          HierarchicalExchange<> hier(comms, placement, fp32);
+          auto rf = run_step(flat, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
+          auto rh = run_step(hier, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
           auto of = to_host_vector(rf.out), oh = to_host_vector(rh.out);
           REQUIRE(of.size() == ref.size());
           CHECK(std::memcmp(of.data(), ref.data(), of.size() * sizeof(float)) == 0);
           CHECK(std::memcmp(oh.data(), ref.data(), oh.size() * sizeof(float)) == 0);
           CHECK(rh.arrival_ids == rf.arrival_ids);
           // Pooled waves with factors large enough for no drops.
-          PooledWaveConfig pc;
+          auto pc = fp32;
           pc.waves = 2;
           pc.tokens_per_rank = 16;
           pc.top_k = k;
-          pc.local_experts = 3;
           pc.sender_cf = size;
           pc.receiver_cf = 3.0 * size;
-          PooledWaveExchange<> pooled(comms, pc);
-          auto rp = run_pooled(pooled, placement, routes, hidden, scale, rank, PayloadType::fp32, nor[rank]);
+          PooledWaveExchange<> pooled(comms, placement, pc);
+          REQUIRE(pooled.shape().local_experts == 3);
+          auto rp = run_step(pooled, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
           auto op = to_host_vector(rp.out);
           CHECK(std::memcmp(op.data(), ref.data(), op.size() * sizeof(float)) == 0);
           auto lp = rp.ledger.reduced(MPI_COMM_WORLD);
@@ -321,6 +323,18 @@ TEST_CASE("pooled-wave shapes and drop rates of the pooled_wave fixture", "[exch
   CHECK(rates.total == Approx(dr.at("total_rate").get<double>()).margin(1e-9));
   CHECK(rates.conditional_receiver == Approx(dr.at("conditional_receiver_rate").get<double>()).margin(1e-6));
   CHECK_THROWS_WITH(pooled_wave_shapes(PooledWaveConfig{0, 1, 1, 4, 1, 1}, 2), Catch::Matchers::Contains("waves must be at least 1"));
+  // The one place the shape of an exchange on a placement is derived.
+  ExchangeConfig xc;
+  xc.waves = c.waves;
+  xc.sender_cf = c.sender_cf;
+  xc.receiver_cf = c.receiver_cf;
+  xc.tokens_per_rank = c.tokens_per_rank;
+  xc.top_k = c.top_k;
+  std::vector<SlotInfo> slots;
+  for (int e = 0; e < c.local_experts * ranks; ++e) slots.push_back(SlotInfo{e, e / c.local_experts, -1, 0, 0});
+  auto const derived = pooled_wave_config(xc, Placement(c.local_experts * ranks, ranks, slots));
+  CHECK(derived.local_experts == c.local_experts);
+  CHECK(pooled_wave_shapes(derived, ranks).sender_pool_rows == s.sender_pool_rows);
 }
 
 TEST_CASE("pooled-wave drops are exact on constructed overflows", "[exchange][pooled]") {
@@ -346,17 +360,16 @@ TEST_CASE("pooled-wave drops are exact on constructed overflows", "[exchange][po
     }
     RowMatrix<float, MS> hidden("hidden", T, 4);
     Kokkos::deep_copy(hidden, 1.0f);
-    PooledWaveConfig pc;
+    auto pc = exchange_config(PayloadType::fp32);
     pc.waves = waves;
     pc.tokens_per_rank = T;
     pc.top_k = 2;
-    pc.local_experts = 2;
     pc.sender_cf = 0.3 * size;   // Rs = ceil(0.3 * 20 / W) rows per destination and wave
     pc.receiver_cf = 0.4;        // Rr = ceil(0.4 * 20 / 2 / W) rows per expert and wave
-    PooledWaveExchange<> pooled(comms, pc);
+    PooledWaveExchange<> pooled(comms, placement, pc);
+    REQUIRE(pooled.shape().local_experts == 2);
     auto const sh = pooled.shapes();
-    PooledWaveResult<MS> raw;
-    auto r = run_pooled(pooled, placement, routes, hidden, scale, rank, PayloadType::fp32, -1, &raw);
+    auto r = run_step(pooled, placement, routes, hidden, scale, rank, 0, {});
     // Sender side: rank 0 receives 2T routes from each rank when size == 1,
     // else T (expert 0) from each rank plus expert 1 (rank 1) gets the other T.
     std::int64_t s_expected = 0;
@@ -364,7 +377,7 @@ TEST_CASE("pooled-wave drops are exact on constructed overflows", "[exchange][po
     to_dest[0] += T;
     to_dest[static_cast<std::size_t>(1 % size)] += T;
     for (auto n : to_dest) s_expected += std::max<std::int64_t>(0, n - sh.sender_pool_rows * waves);
-    CHECK(raw.sender_drops == s_expected);
+    CHECK(r.ledger.dispatch.sender_drops == s_expected);
     // Receiver side: every source sends this rank the same n_here routes;
     // the i-th goes to wave i % W, pool row i / W (if that row exists). With
     // one rank both experts are local and alternate (k-slots 0, 1); else
@@ -380,7 +393,7 @@ TEST_CASE("pooled-wave drops are exact on constructed overflows", "[exchange][po
         }
         r_expected += std::max<std::int64_t>(0, in_wave - sh.receiver_expert_rows);
       }
-    CHECK(raw.receiver_drops == r_expected);
+    CHECK(r.ledger.dispatch.receiver_drops == r_expected);
     auto const total = r.ledger.reduced(MPI_COMM_WORLD);
     CHECK(total.dispatch.useful_rows + total.dispatch.sender_drops + total.dispatch.receiver_drops == 2 * T * size);
     // Surviving routes add gate * scale * 1, dropped ones nothing.
@@ -411,27 +424,25 @@ TEST_CASE("faults: count mismatch, stale handles and a skipped call fail every r
   Kokkos::deep_copy(hidden, 1.0f);
   Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
   Exec exec;
+  auto const fp32 = exchange_config(PayloadType::fp32);
   auto prepare = [&](auto& xchg) {
-    auto table = make_table(routes, placement.num_experts());
-    auto dp = make_device_placement<MS>(placement);
-    auto choice = make_replica_choice<MS>(placement, rank, nor[rank]);
-    auto rp = make_route_plan(exec, table, dp, choice, rank);
-    auto plan = make_dispatch_plan(exec, rp, placement, comms.ep().peer_order());
-    PayloadBuffer<MS> send("send", PayloadType::fp32, 4, plan.rows());
-    Kokkos::View<RowMeta*, MS> meta("meta", plan.rows());
-    pack(exec, rp, plan, hidden, send, meta);
-    return xchg.dispatch(exec, placement, plan, send, meta);
+    auto const [rp, plan] = plans_of(comms, placement, routes, rank, 0, nor[rank]);
+    return xchg.dispatch(exec, rp, plan, hidden);
   };
-  auto back_of = [&](auto const& h) { return h.arrived; };
+  // Identity experts: the expert rows go back as they came.
+  auto combine_of = [&](auto& xchg, auto& h) {
+    PayloadBuffer<MS> returned("returned", PayloadType::fp32, 4, h.plan.rows());
+    xchg.combine(exec, h, h.expert_rows, returned);
+  };
 
   SECTION("a count mismatch injected on one rank") {
-    FlatExchange<> flat(comms);
+    FlatExchange<> flat(comms, placement, fp32);
     auto h = prepare(flat);
     int const culprit = size > 1 ? 1 : 0;
     if (rank == culprit) h.plan.counts[0] += 1;  // this rank now expects one row more from slot 0
     bool caught = false;
     try {
-      flat.combine(exec, h, back_of(h));
+      combine_of(flat, h);
     } catch (CollectiveError const& e) {
       caught = true;
       std::string const what = e.what();
@@ -442,26 +453,50 @@ TEST_CASE("faults: count mismatch, stale handles and a skipped call fail every r
     MPI_Barrier(MPI_COMM_WORLD);
   }
   SECTION("a handle from another communicator epoch") {
-    FlatExchange<> flat(comms);
+    FlatExchange<> flat(comms, placement, fp32);
     auto h = prepare(flat);
     Topology::CommunicatorSet newer(MPI_COMM_WORLD, topo, Topology::CommSpec{});
-    FlatExchange<> flat2(newer);
-    CHECK_THROWS_WITH(flat2.combine(exec, h, back_of(h)), Catch::Matchers::Contains("dispatch handle belongs to communicator epoch"));
+    FlatExchange<> flat2(newer, placement, fp32);
+    CHECK_THROWS_WITH(combine_of(flat2, h), Catch::Matchers::Contains("dispatch handle belongs to communicator epoch"));
     // The original exchange still combines it.
-    CHECK_NOTHROW(flat.combine(exec, h, back_of(h)));
-    CHECK_THROWS_WITH(flat.combine(exec, h, back_of(h)), Catch::Matchers::Contains("already combined"));
+    CHECK_NOTHROW(combine_of(flat, h));
+    CHECK_THROWS_WITH(combine_of(flat, h), Catch::Matchers::Contains("already combined"));
   }
   SECTION("a handle from another placement generation") {
-    HierarchicalExchange<> hier(comms);
+    HierarchicalExchange<> hier(comms, placement, fp32);
     auto h = prepare(hier);
     h.generation += 1;
-    CHECK_THROWS_WITH(hier.combine(exec, h, back_of(h)), Catch::Matchers::Contains("placement generation"));
+    CHECK_THROWS_WITH(combine_of(hier, h), Catch::Matchers::Contains("placement generation"));
+  }
+  SECTION("a handle of another algorithm") {
+    FlatExchange<> flat(comms, placement, fp32);
+    HierarchicalExchange<> hier(comms, placement, fp32);
+    auto h = prepare(flat);
+    CHECK_THROWS_WITH(combine_of(hier, h), Catch::Matchers::Contains("a flat dispatch handle was given to the hierarchical combine"));
+  }
+  SECTION("a failing expert on one rank fails the combine on every rank") {
+    PooledWaveExchange<> pooled(comms, placement, [&] {
+      auto c = fp32;
+      c.tokens_per_rank = 4;
+      c.top_k = 2;
+      return c;
+    }());
+    auto h = prepare(pooled);
+    PayloadBuffer<MS> returned("returned", PayloadType::fp32, 4, h.plan.rows());
+    std::string const problem = rank == size - 1 ? "expert runner failed on this rank" : "";
+    try {
+      pooled.combine(exec, h, h.expert_rows, returned, problem);
+      FAIL("no error raised");
+    } catch (CollectiveError const& e) {
+      CHECK(e.origin_rank() == size - 1);
+      CHECK(e.origin_message() == "expert runner failed on this rank");
+    }
   }
   SECTION("the watchdog names a rank that skipped the call") {
     if (size < 2) return;
     TransportOptions quick;
     quick.watchdog_seconds = 1.0;
-    FlatExchange<> flat(comms, quick);
+    FlatExchange<> flat(comms, placement, exchange_config(PayloadType::fp32, quick));
     bool caught = false;
     if (rank != 1) {
       try {
@@ -508,46 +543,39 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
     auto routes = random_routes(dist, rank, size, experts, 3, rng, tokens);
     RowMatrix<float, MS> hidden("hidden", tokens, 4);
     Kokkos::deep_copy(hidden, 0.5f);
-    // This rank's routes as the planner sees them, gathered from every rank.
+    // Every rank's route plan, gathered: what the planner reads.
     Exec exec;
     auto table = make_table(routes, experts);
-    auto dp = make_device_placement<MS>(placement);
-    auto choice = make_replica_choice<MS>(placement, rank, nor[rank]);
-    auto rp = make_route_plan(exec, table, dp, choice, rank);
-    auto dest = to_host_vector(rp.dest_rank);
-    auto slot = to_host_vector(rp.slot);
-    RankRoutes mine;
-    for (std::size_t i = 0; i < dest.size(); ++i) {
-      mine.dest.push_back(dest[i]);
-      mine.local_slot.push_back(placement.local_index(slot[i]));
-    }
-    auto const rr = allgather_routes(MPI_COMM_WORLD, mine);
+    auto rp = make_route_plan(exec, table, make_device_placement<MS>(placement), make_replica_choice<MS>(placement, rank, nor[rank]), rank);
+    auto const rr = allgather_routes(MPI_COMM_WORLD, rp);
+    REQUIRE(static_cast<int>(rr.size()) == size);
+    CHECK(to_host_vector(rr[static_cast<std::size_t>(rank)].dest_rank) == to_host_vector(rp.dest_rank));
+    CHECK(to_host_vector(rr[static_cast<std::size_t>(rank)].gate) == to_host_vector(rp.gate));
     for (int R : {1, rpn >= 2 ? 2 : 1}) {
       Topology::CommSpec spec;
       spec.relays_per_node = R;
       Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, spec);
-      PlanFormat fmt{PayloadType::fp32, PayloadType::fp32, 4};
+      auto c = exchange_config(PayloadType::fp32);
+      c.waves = 2;
+      c.tokens_per_rank = 16;
+      c.top_k = 3;
+      c.sender_cf = 0.6;  // small factors: pooled-wave drops included
+      c.receiver_cf = 0.7;
+      auto planned_of = [&](Algorithm a) {
+        auto ca = c;
+        ca.algorithm = a;
+        return plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, ca, 4});
+      };
       INFO("np " << size << " R " << R << " dist " << static_cast<int>(dist));
-      FlatExchange<> flat(comms);
-      auto rf = run_step(flat, placement, routes, hidden, scale, rank, 0, std::vector<index_t>(static_cast<std::size_t>(size), 0),
-                         PayloadType::fp32, nor[rank]);
-      CHECK(untimed(rf.ledger) == untimed(plan_flat(topo, comms.layout(), rr, fmt)[static_cast<std::size_t>(rank)]));
-      HierarchicalExchange<> hier(comms);
-      auto rh = run_step(hier, placement, routes, hidden, scale, rank, 0, std::vector<index_t>(static_cast<std::size_t>(size), 0),
-                         PayloadType::fp32, nor[rank]);
-      CHECK(untimed(rh.ledger) == untimed(plan_hierarchical(topo, comms.layout(), rr, fmt)[static_cast<std::size_t>(rank)]));
-      // Pooled waves with small factors: drops included.
-      PooledWaveConfig pc;
-      pc.waves = 2;
-      pc.tokens_per_rank = 16;
-      pc.top_k = 3;
-      pc.local_experts = 0;
-      for (int r = 0; r < size; ++r) pc.local_experts = std::max(pc.local_experts, placement.num_slots_of_rank(r));
-      pc.sender_cf = 0.6;
-      pc.receiver_cf = 0.7;
-      PooledWaveExchange<> pooled(comms, pc);
-      auto rpw = run_pooled(pooled, placement, routes, hidden, scale, rank, PayloadType::fp32, nor[rank]);
-      auto const planned = plan_pooled_wave(topo, comms.layout(), rr, fmt, pc);
+      FlatExchange<> flat(comms, placement, c);
+      auto rf = run_step(flat, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+      CHECK(untimed(rf.ledger) == untimed(planned_of(Algorithm::flat)[static_cast<std::size_t>(rank)]));
+      HierarchicalExchange<> hier(comms, placement, c);
+      auto rh = run_step(hier, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+      CHECK(untimed(rh.ledger) == untimed(planned_of(Algorithm::hierarchical)[static_cast<std::size_t>(rank)]));
+      PooledWaveExchange<> pooled(comms, placement, c);
+      auto rpw = run_step(pooled, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+      auto const planned = planned_of(Algorithm::pooled_wave);
       CHECK(untimed(rpw.ledger) == untimed(planned[static_cast<std::size_t>(rank)]));
       // Sums over ranks agree with the reduced measured ledger.
       CHECK(untimed(rpw.ledger.reduced(MPI_COMM_WORLD)) == untimed(sum_ledgers(planned)));
@@ -561,22 +589,35 @@ TEST_CASE("simulated clusters: 1024 ranks on 128 nodes, one relay vs rail relays
   s.ranks_per_node = 8;
   auto topo = Topology::Topology::simulated(1024, s);
   int const experts = 2048;
-  std::vector<RankRoutes> rr(1024);
+  // Expert e on rank e % 1024 (local slot e / 1024); 64 tokens of top-1 per rank.
+  std::vector<int> nodes;
+  for (int r = 0; r < 1024; ++r) nodes.push_back(topo.node_of(r));
+  Placement const placement = Placement::round_robin(experts, 1024, nodes);
+  auto const dp = make_device_placement<Kokkos::HostSpace>(placement);
+  RankRoutePlans rr;
   std::mt19937 rng(3);
-  for (int r = 0; r < 1024; ++r)
+  for (int r = 0; r < 1024; ++r) {
+    RouteTable<Kokkos::HostSpace> table("test::table", 16 * 4, 1, experts);
     for (int t = 0; t < 16 * 4; ++t) {
-      int const e = static_cast<int>(rng() % experts);
-      rr[static_cast<std::size_t>(r)].dest.push_back(e % 1024);
-      rr[static_cast<std::size_t>(r)].local_slot.push_back(e / 1024);
+      table.expert(t, 0) = static_cast<int>(rng() % experts);
+      table.gate(t, 0) = 1.0f;
+      table.accepted(t, 0) = 1;
     }
-  PlanFormat fmt{PayloadType::bf16, PayloadType::bf16, 64};
+    rr.push_back(make_route_plan(Kokkos::DefaultHostExecutionSpace(), table, dp, make_replica_choice<Kokkos::HostSpace>(placement, r, nodes[r]), r));
+  }
+  ExchangeConfig c;
   Topology::CommSpec one, rails;
   rails.relays_per_node = 8;
   auto const L1 = make_comm_layout(topo, one);
   auto const L8 = make_comm_layout(topo, rails);
-  auto const flat = sum_ledgers(plan_flat(topo, L1, rr, fmt));
-  auto const h1 = sum_ledgers(plan_hierarchical(topo, L1, rr, fmt));
-  auto const h8 = sum_ledgers(plan_hierarchical(topo, L8, rr, fmt));
+  auto plan = [&](Algorithm a, Topology::CommLayout const& l) {
+    auto ca = c;
+    ca.algorithm = a;
+    return plan_ledgers(PlanInput{topo, l, rr, placement, ca, 64});
+  };
+  auto const flat = sum_ledgers(plan(Algorithm::flat, L1));
+  auto const h1 = sum_ledgers(plan(Algorithm::hierarchical, L1));
+  auto const h8 = sum_ledgers(plan(Algorithm::hierarchical, L8));
   CHECK_NOTHROW(check_inter_node_equal(flat, h1));
   CHECK_NOTHROW(check_inter_node_equal(flat, h8));
   CHECK(flat.dispatch.useful_rows == 1024 * 64);
@@ -584,7 +625,7 @@ TEST_CASE("simulated clusters: 1024 ranks on 128 nodes, one relay vs rail relays
   CHECK(h1.dispatch.by_class(LinkClass::inter_node).messages <= 128 * 127);
   CHECK(h8.dispatch.by_class(LinkClass::inter_node).messages <= 8 * 128 * 127);
   CHECK(flat.dispatch.by_class(LinkClass::inter_node).messages > h8.dispatch.by_class(LinkClass::inter_node).messages);
-  auto const m1 = ledger_maxima(topo, plan_hierarchical(topo, L1, rr, fmt));
-  auto const m8 = ledger_maxima(topo, plan_hierarchical(topo, L8, rr, fmt));
+  auto const m1 = ledger_maxima(topo, plan(Algorithm::hierarchical, L1));
+  auto const m8 = ledger_maxima(topo, plan(Algorithm::hierarchical, L8));
   CHECK(m1.relay_rows > m8.relay_rows);  // rails spread the relay work
 }

@@ -7,7 +7,7 @@
 #include "kmoe_exchange_util.hpp"
 #include "kmoe_test_util.hpp"
 
-#include <KokkosMoE_Exchange_Nccl.hpp>
+#include <KokkosMoE_Exchange.hpp>
 
 #include <cstring>
 
@@ -16,8 +16,7 @@ using namespace KokkosMoE::Exchange;
 
 namespace {
 
-template <class Transport>
-std::vector<float> device_step(Topology::CommunicatorSet const& comms, Placement const& placement, int rank) {
+std::vector<float> device_step(Topology::CommunicatorSet const& comms, Placement const& placement, int rank, TransportKind transport) {
   using DMS = Kokkos::DefaultExecutionSpace::memory_space;
   Kokkos::DefaultExecutionSpace exec;
   int const T = 6, k = 2, d = 8;
@@ -41,12 +40,17 @@ std::vector<float> device_step(Topology::CommunicatorSet const& comms, Placement
   auto choice = make_replica_choice<DMS>(placement, rank, -1);
   auto rp = make_route_plan(exec, table, dp, choice, rank);
   auto plan = make_dispatch_plan(exec, rp, placement, comms.ep().peer_order());
-  PayloadBuffer<DMS> send(exec, "send", PayloadType::fp32, d, plan.rows());
-  Kokkos::View<RowMeta*, DMS> meta("meta", plan.rows());
-  pack(exec, rp, plan, hidden, send, meta);
-  FlatExchange<Transport, DMS> flat(comms);
-  auto h = flat.dispatch(exec, placement, plan, send, meta);
-  auto returned = flat.combine(exec, h, h.arrived);  // identity experts
+  ExchangeConfig config;
+  config.payload = PayloadType::fp32;
+  config.return_payload = PayloadType::fp32;
+  config.transport = transport;
+  // Through the contract, as a layer holds it: the algorithm and the
+  // transport chosen by configuration.
+  auto x = make_exchange<float, Kokkos::DefaultExecutionSpace, DMS>(comms, placement, config);
+  CHECK(x->transport() == transport);
+  auto h = x->dispatch(exec, rp, plan, hidden, 0);
+  PayloadBuffer<DMS> returned(exec, "returned", PayloadType::fp32, d, plan.rows());
+  x->combine(exec, h, h.expert_rows, returned, {});  // identity experts
   RowMatrix<float, DMS> out("out", T, d);
   combine(exec, rp, plan, returned, out);
   auto ho = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
@@ -64,14 +68,14 @@ TEST_CASE("device buffers: MPI (CUDA-aware or staged) and NCCL match", "[exchang
   auto topo = Topology::Topology::discover(MPI_COMM_WORLD, s);
   Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
   Placement placement = Placement::round_robin(3 * size, size);
-  auto mpi = device_step<Mpi>(comms, placement, rank);
+  auto mpi = device_step(comms, placement, rank, TransportKind::mpi);
   // Identity experts: out = sum of gates * hidden = 0.75 * hidden.
   for (std::size_t i = 0; i < mpi.size(); ++i) {
     int const t = static_cast<int>(i) / 8, c = static_cast<int>(i) % 8;
     CHECK(mpi[i] == Approx(0.75 * (0.5 * t - 0.25 * c + rank)).margin(1e-5));
   }
 #if defined(KOKKOSMOE_HAVE_NCCL) && defined(KOKKOS_ENABLE_CUDA)
-  auto nccl = device_step<Nccl>(comms, placement, rank);
+  auto nccl = device_step(comms, placement, rank, TransportKind::nccl);
   CHECK(std::memcmp(nccl.data(), mpi.data(), mpi.size() * sizeof(float)) == 0);
 #endif
   INFO("CUDA-aware MPI: " << mpi_is_cuda_aware());

@@ -382,8 +382,8 @@ TEST_CASE("bad inputs are rejected before any kernel runs", "[experts][errors]")
   auto sw = ExpertWeights<float, Mem>::scalar("s", {0, 1, 2}, 5, {1, 2, 3});
   CHECK_THROWS_WITH(run(Kokkos::DefaultExecutionSpace(), o, sw, X, good, Y),
                     Catch::Matchers::Contains("runner 'grouped' needs SwiGLU weights"));
-  CHECK_THROWS_WITH(runner_kind_from_string("megablocks"), Catch::Matchers::Contains("unknown runner 'megablocks'"));
-  CHECK(runner_kind_from_string("block") == RunnerKind::block);
+  CHECK_THROWS_WITH(from_string<RunnerKind>("megablocks"), Catch::Matchers::Contains("unknown runner 'megablocks'"));
+  CHECK(from_string<RunnerKind>("block") == RunnerKind::block);
   RunnerOptions isa;
   isa.host_isa = "sve512";
   if (Experts::Impl::is_host_exec<Kokkos::DefaultExecutionSpace>())

@@ -4,7 +4,7 @@
 
 #include "kmoe_catch.hpp"
 
-#include <impl/KokkosMoE_Gemm.hpp>
+#include <KokkosMoE_Gemm.hpp>
 
 #include <cmath>
 #include <random>

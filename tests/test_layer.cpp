@@ -43,7 +43,7 @@ std::vector<float> forward_once(LayerDeck const& deck, MPI_Comm comm, index_t fi
   auto const& comms = *setup.comms;
   auto const& placement = setup.placement;
   auto config = setup.config;
-  config.tokens_per_rank = static_tokens;
+  config.exchange.tokens_per_rank = static_tokens;
   auto rw = Setup::router_weight<T, MS>(deck);
   auto routed = Setup::routed_weights<T, MS>(exec, deck, placement, rank, comm);
   auto shared = Setup::shared_weights<T, MS>(exec, deck);
@@ -138,4 +138,37 @@ TEST_CASE("the layer rejects bad inputs on every rank without a hang", "[layer][
   // A layer built from weights of the wrong width is refused everywhere.
   auto bad = Experts::ExpertWeights<float, MS>("bad", routed.slot_expert(), deck.model.hidden + (rank == 0 ? 1 : 0), 8);
   CHECK_THROWS_AS((MoELayer<float, Exec, MS>(config, comms, placement, rw, bad)), CollectiveError);
+}
+
+TEST_CASE("the transport is chosen by configuration; one this build lacks fails on every rank", "[layer][transport]") {
+  int const size = kmoe_test::world_size();
+  int const rank = kmoe_test::world_rank();
+  auto const deck = parse_layer_deck("layer-test", deck_text("fp32", "fp32", "hierarchical", size), size);
+  Exec exec;
+  auto setup = Setup::make_run(deck, MPI_COMM_WORLD);
+  auto rw = Setup::router_weight<float, MS>(deck);
+  auto routed = Setup::routed_weights<float, MS>(exec, deck, setup.placement, rank, MPI_COMM_WORLD);
+  auto config = setup.config;
+  CHECK(config.exchange.transport == Exchange::TransportKind::mpi);
+  {
+    MoELayer<float, Exec, MS> layer(config, *setup.comms, setup.placement, rw, routed);
+    CHECK(layer.exchange(Exchange::Algorithm::hierarchical).transport() == Exchange::TransportKind::mpi);
+    auto hidden = Setup::hidden_rows<float, MS>(deck, 0, rank * 9, 9, rank);
+    RowMatrix<float, MS> out("out", 9, deck.model.hidden);
+    auto const rec = layer.forward(exec, hidden, out);
+    CHECK(rec.transport == "mpi");
+    CHECK(rec.algorithm == "hierarchical");
+  }
+  config.exchange.transport = Exchange::TransportKind::nccl;
+  if (Exchange::transport_available(Exchange::TransportKind::nccl)) return;  // a CUDA + NCCL build runs it (device tests)
+  bool caught = false;
+  try {
+    MoELayer<float, Exec, MS> layer(config, *setup.comms, setup.placement, rw, routed);
+  } catch (CollectiveError const& e) {
+    caught = true;
+    std::string const what = e.what();
+    CHECK(what.find("exchange transport 'nccl' is not available") != std::string::npos);
+    CHECK(what.find("KokkosMoE_ENABLE_NCCL=ON") != std::string::npos);
+  }
+  CHECK(caught);
 }

@@ -162,6 +162,6 @@ TEST_CASE("payload bytes match the payload_precision fixture", "[payload][fixtur
     CHECK(rows * payload_row_bytes(PayloadType::fp8_block128, d) == c.at("fp8_block128_scale").get<std::int64_t>());
   }
   CHECK(payload_row_bytes(PayloadType::fp32, 3) == 12);
-  CHECK(payload_type_from_string("fp8_block128") == PayloadType::fp8_block128);
-  CHECK_THROWS_AS(payload_type_from_string("fp16"), KokkosMoE::Error);
+  CHECK(from_string<PayloadType>("fp8_block128") == PayloadType::fp8_block128);
+  CHECK_THROWS_AS(from_string<PayloadType>("fp16"), KokkosMoE::Error);
 }

@@ -6,6 +6,8 @@
 #include "kmoe_sim.hpp"
 #include "kmoe_test_util.hpp"
 
+#include <KokkosMoE_Exchange_Planner.hpp>
+#include <KokkosMoE_Topology_Communicators.hpp>
 #include <impl/KokkosMoE_HostRows.hpp>
 
 #include <algorithm>
@@ -131,14 +133,34 @@ TEST_CASE("dispatch_v17: every expected array on four simulated ranks", "[permut
     for (int t = 0; t < 2; ++t)
       for (int c = 0; c < 3; ++c) CHECK(h(t, c) == Approx(want[t][c].get<double>()).epsilon(1e-6));
   }
-  auto const led = row_ledger(counts, PayloadType::bf16, 3);
+  // The one ledger type: the flat exchange's ledger, planned from the route
+  // plans (one rank per node here would change nothing: bytes are by rank).
+  Topology::LayoutSpec layout;
+  layout.kind = Topology::LayoutKind::virtual_nodes;
+  layout.node_of_rank = fixture("dispatch_v17.json").at("inputs").at("node_of_rank").get<std::vector<int>>();
+  auto const topo = Topology::Topology::simulated(4, layout);
+  auto const comm_layout = Topology::make_comm_layout(topo, Topology::CommSpec{});
+  Exchange::RankRoutePlans plans;
+  for (auto const& s : sim) plans.push_back(to_host(s.routes));
+  Exchange::ExchangeConfig config;
+  config.payload = PayloadType::bf16;
+  auto const led = Exchange::sum_ledgers(Exchange::plan_flat(Exchange::PlanInput{topo, comm_layout, plans, v.placement, config, 3}));
+  using Exchange::LinkClass;
+  auto const& d = led.dispatch;
+  std::int64_t const remote_rows = d.by_class(LinkClass::intra_node).rows + d.by_class(LinkClass::inter_node).rows;
+  std::int64_t const all_bytes = d.by_class(LinkClass::same_rank).payload_bytes + d.by_class(LinkClass::intra_node).payload_bytes +
+                                 d.by_class(LinkClass::inter_node).payload_bytes;
   auto const& wl = ex.at("ledger");
-  CHECK(led.useful_rows == wl.at("useful_rows_per_direction").get<index_t>());
-  CHECK(led.same_rank_rows == wl.at("same_rank_rows").get<index_t>());
-  CHECK(led.remote_rows == wl.at("remote_rows").get<index_t>());
-  CHECK(led.staging_payload_bytes == wl.at("staging_payload_bytes_per_direction").get<std::int64_t>());
-  CHECK(led.remote_payload_bytes == wl.at("remote_payload_bytes_per_direction").get<std::int64_t>());
-  CHECK(led.uniform_padded_row_slots == wl.at("uniform_padded_row_slots").get<index_t>());
+  CHECK(d.useful_rows == wl.at("useful_rows_per_direction").get<index_t>());
+  CHECK(d.by_class(LinkClass::same_rank).rows == wl.at("same_rank_rows").get<index_t>());
+  CHECK(remote_rows == wl.at("remote_rows").get<index_t>());
+  CHECK(all_bytes == wl.at("staging_payload_bytes_per_direction").get<std::int64_t>());
+  CHECK(all_bytes - d.by_class(LinkClass::same_rank).payload_bytes == wl.at("remote_payload_bytes_per_direction").get<std::int64_t>());
+  // A uniform padded all-to-all would move P x P x (largest count) row slots.
+  index_t largest = 0;
+  for (auto const& row : counts)
+    for (auto c : row) largest = std::max(largest, c);
+  CHECK(static_cast<index_t>(counts.size() * counts.size()) * largest == wl.at("uniform_padded_row_slots").get<index_t>());
 }
 
 TEST_CASE("dispatch_v17 in the explicit peer order [2, 0, 3, 1]", "[permutation][peer-order]") {

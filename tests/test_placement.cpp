@@ -199,9 +199,9 @@ TEST_CASE("EPLB validates its inputs with clear errors", "[placement][eplb]") {
   expect_error([&] { eplb_layer({}, spec); }, "empty");
   expect_error([&] { eplb_layer(load, with([](PlacementSpec& s) { s.groups = 0; })); }, "groups must be positive");
   expect_error([&] { build_placements({{1, 2, 3, 4}, {1, 2, 3}}, spec); }, "layer 1 has 3 expert loads");
-  expect_error([&] { placement_policy_from_string("greedy"); }, "unknown placement policy 'greedy'");
-  CHECK(placement_policy_from_string("eplb_global") == PlacementPolicy::eplb_global);
-  CHECK(placement_policy_from_string("explicit") == PlacementPolicy::explicit_slots);
+  expect_error([&] { from_string<PlacementPolicy>("greedy"); }, "unknown placement policy 'greedy'");
+  CHECK(from_string<PlacementPolicy>("eplb_global") == PlacementPolicy::eplb_global);
+  CHECK(from_string<PlacementPolicy>("explicit") == PlacementPolicy::explicit_slots);
 }
 
 TEST_CASE("EPLB with S == E places every expert once", "[placement][eplb]") {

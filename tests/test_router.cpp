@@ -1012,7 +1012,7 @@ TEST_CASE("bad router configurations are rejected with clear messages", "[router
   // Names.
   std::string msg;
   try {
-    score_function_from_string("relu");
+    from_string<ScoreFunction>("relu");
   } catch (Error const& e) {
     msg = e.what();
   }

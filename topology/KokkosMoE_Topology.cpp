@@ -18,21 +18,6 @@ namespace Topology {
 
 using json = nlohmann::json;
 
-std::string to_string(LayoutKind kind) {
-  switch (kind) {
-    case LayoutKind::hwloc: return "hwloc";
-    case LayoutKind::virtual_nodes: return "virtual";
-    case LayoutKind::synthetic: return "synthetic";
-  }
-  return "unknown";
-}
-
-LayoutKind layout_kind_from_string(std::string const& name) {
-  for (LayoutKind k : {LayoutKind::hwloc, LayoutKind::virtual_nodes, LayoutKind::synthetic})
-    if (to_string(k) == name) return k;
-  KOKKOSMOE_THROW("unknown topology layout '" << name << "' (expected hwloc, virtual or synthetic)");
-}
-
 namespace {
 
 // ---- JSON (de)serialisation of records ------------------------------------

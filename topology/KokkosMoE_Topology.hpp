@@ -12,6 +12,7 @@
 ///  - synthetic: the hardware of every node comes from an hwloc synthetic
 ///    description or XML file (topology experiments), nodes as in virtual.
 
+#include <KokkosMoE_EnumNames.hpp>
 #include <mpi.h>
 
 #include <cstdint>
@@ -24,8 +25,13 @@ namespace Topology {
 enum class LayoutKind { hwloc, virtual_nodes, synthetic };
 
 /// \brief "hwloc", "virtual", "synthetic".
-std::string to_string(LayoutKind kind);
-LayoutKind layout_kind_from_string(std::string const& name);
+inline EnumTable<LayoutKind> const& names_of(LayoutKind) {
+  static EnumTable<LayoutKind> const t{"topology layout",
+                                       {{LayoutKind::hwloc, "hwloc"},
+                                        {LayoutKind::virtual_nodes, "virtual"},
+                                        {LayoutKind::synthetic, "synthetic"}}};
+  return t;
+}
 
 /// \brief How node identity and hardware are obtained.
 struct LayoutSpec {

@@ -12,16 +12,6 @@
 namespace KokkosMoE {
 namespace Topology {
 
-std::string to_string(RelayPolicy p) {
-  return p == RelayPolicy::lowest_local_rank ? "lowest_local_rank" : "nearest_nic";
-}
-
-RelayPolicy relay_policy_from_string(std::string const& name) {
-  if (name == "lowest_local_rank") return RelayPolicy::lowest_local_rank;
-  if (name == "nearest_nic") return RelayPolicy::nearest_nic;
-  KOKKOSMOE_THROW("unknown relay policy '" << name << "' (expected lowest_local_rank or nearest_nic)");
-}
-
 CommLayout make_comm_layout(Topology const& topo, CommSpec const& spec) {
   CommLayout L;
   L.nranks = topo.size();

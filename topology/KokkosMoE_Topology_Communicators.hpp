@@ -9,6 +9,7 @@
 /// MPI communicator. Split vectors are always indexed by the peer slot of the
 /// communicator that runs the collective.
 
+#include <KokkosMoE_EnumNames.hpp>
 #include <KokkosMoE_Topology.hpp>
 
 #include <mpi.h>
@@ -22,8 +23,12 @@ namespace Topology {
 
 /// \brief How relays are chosen inside each node.
 enum class RelayPolicy { lowest_local_rank, nearest_nic };
-std::string to_string(RelayPolicy p);
-RelayPolicy relay_policy_from_string(std::string const& name);
+inline EnumTable<RelayPolicy> const& names_of(RelayPolicy) {
+  static EnumTable<RelayPolicy> const t{"relay policy",
+                                        {{RelayPolicy::lowest_local_rank, "lowest_local_rank"},
+                                         {RelayPolicy::nearest_nic, "nearest_nic"}}};
+  return t;
+}
 
 /// \brief What the caller asks for (deck keys of the [topology] table).
 struct CommSpec {

@@ -1,16 +1,16 @@
-// kmoe-bench exchange: dispatch + combine time of the flat, hierarchical and
-// pooled-wave exchanges next to a raw MPI_Alltoallv moving the same bytes in
-// the same run (per-peer byte counts identical to the flat exchange: rows
-// plus metadata out, rows back). Times are the slowest rank's, medians of
-// reps that alternate each algorithm with the baseline.
+// kmoe-bench exchange: one step of every exchange algorithm through the
+// exchange contract (dispatch from the hidden rows, pack and repack
+// included, identity experts, combine into the return buffer) next to a raw
+// MPI_Alltoallv moving the same bytes in the same run (per-peer byte counts
+// identical to the flat exchange: rows plus metadata out, rows back). Times
+// are the slowest rank's, medians of reps that alternate each algorithm with
+// the baseline.
 
 #include "kmoe_bench_common.hpp"
 
 #include <KokkosMoE_Combine.hpp>
 #include <KokkosMoE_DispatchPlan.hpp>
-#include <KokkosMoE_Exchange_Flat.hpp>
-#include <KokkosMoE_Exchange_Hierarchical.hpp>
-#include <KokkosMoE_Exchange_PooledWave.hpp>
+#include <KokkosMoE_Exchange.hpp>
 
 #include <CLI/CLI.hpp>
 
@@ -97,13 +97,10 @@ int run(int argc, char** argv) {
   auto plan = make_dispatch_plan(exec, routes, placement, comms.ep().peer_order());
   RowMatrix<bf16_t, MS> hidden("bench::hidden", tokens, width);
   Kokkos::deep_copy(hidden, bf16_t{0x3F80});
-  PayloadBuffer<MS> send(exec, "bench::send", PayloadType::bf16, width, plan.rows());
-  Kokkos::View<RowMeta*, MS> meta("bench::meta", plan.rows());
-  pack(exec, routes, plan, hidden, send, meta);
   exec.fence();
+  std::int64_t const rb = payload_row_bytes(PayloadType::bf16, width);
 
   // Raw MPI_Alltoallv with the flat exchange's per-peer bytes.
-  std::int64_t const rb = send.row_bytes();
   std::vector<std::int64_t> recv_rows(static_cast<std::size_t>(size));
   MPI_Alltoall(plan.counts.data(), 1, MPI_INT64_T, recv_rows.data(), 1, MPI_INT64_T, comms.ep().comm());
   auto bytes_for = [&](std::vector<std::int64_t> const& rows, std::int64_t per_row, std::vector<int>& counts, std::vector<int>& displs) {
@@ -142,46 +139,28 @@ int run(int argc, char** argv) {
                              {"drops", std::to_string(total.dispatch.sender_drops + total.dispatch.receiver_drops)}},
                             s / alltoallv_s);
   };
-  {
-    Exchange::FlatExchange<> flat(comms);
+  Exchange::ExchangeConfig config;
+  config.payload = PayloadType::bf16;
+  config.return_payload = PayloadType::bf16;
+  config.waves = waves;
+  config.sender_cf = sender_cf;
+  config.receiver_cf = receiver_cf;
+  config.tokens_per_rank = tokens;
+  config.top_k = top_k;
+  PayloadBuffer<MS> returned(exec, "bench::returned", PayloadType::bf16, width, plan.rows());
+  for (auto const algorithm : {Exchange::Algorithm::flat, Exchange::Algorithm::hierarchical, Exchange::Algorithm::pooled_wave}) {
+    config.algorithm = algorithm;
+    auto x = Exchange::make_exchange<bf16_t, Exec, MS>(comms, placement, config);
     Exchange::ByteLedger ledger;
     auto const times = timed_pair(reps, [&] {
-      auto h = flat.dispatch(exec, placement, plan, send, meta);
-      auto back = flat.combine(exec, h, h.arrived);
-      ledger = h.ledger;
+      ledger = Exchange::ByteLedger();
+      for (int w = 0; w < x->waves(); ++w) {
+        auto h = x->dispatch(exec, routes, plan, hidden, w);
+        x->combine(exec, h, h.expert_rows, returned, {});  // identity experts
+        ledger.append(h.ledger);
+      }
     }, alltoallv);
-    report("flat", times, ledger);
-  }
-  {
-    Exchange::HierarchicalExchange<> hier(comms);
-    Exchange::ByteLedger ledger;
-    auto const times = timed_pair(reps, [&] {
-      auto h = hier.dispatch(exec, placement, plan, send, meta);
-      auto back = hier.combine(exec, h, h.arrived);
-      ledger = h.ledger;
-    }, alltoallv);
-    report("hierarchical", times, ledger);
-  }
-  {
-    Exchange::PooledWaveConfig pc;
-    pc.waves = waves;
-    pc.sender_cf = sender_cf;
-    pc.receiver_cf = receiver_cf;
-    pc.tokens_per_rank = tokens;
-    pc.top_k = top_k;
-    int max_local = 0;
-    for (int r = 0; r < size; ++r) max_local = std::max(max_local, placement.num_slots_of_rank(r));
-    pc.local_experts = max_local;
-    Exchange::PooledWaveExchange<> pooled(comms, pc);
-    // Identity experts: the rows go back as they came.
-    Exchange::WaveExpertFn<MS> identity = [](PayloadBuffer<MS> const& x, std::vector<index_t> const&,
-                                             Kokkos::View<index_t*, MS> const&) { return x; };
-    Exchange::ByteLedger ledger;
-    auto const times = timed_pair(reps, [&] {
-      auto res = pooled.forward(exec, placement, routes, plan, hidden, PayloadType::bf16, PayloadType::bf16, identity);
-      ledger = res.ledger;
-    }, alltoallv);
-    report("pooled_wave", times, ledger);
+    report(to_string(algorithm).c_str(), times, ledger);
   }
   return 0;
 }

@@ -13,7 +13,7 @@
 
 #include <KokkosMoE_Experts_Runner.hpp>
 #include <KokkosMoE_Experts_Weights.hpp>
-#include <impl/KokkosMoE_Gemm.hpp>
+#include <KokkosMoE_Gemm.hpp>
 
 #include <CLI/CLI.hpp>
 
@@ -195,12 +195,12 @@ int run(int argc, char** argv) {
 
     for (std::string const& r : split(runners)) {
       RunnerOptions o;
-      o.kind = runner_kind_from_string(r);
+      o.kind = from_string<Experts::RunnerKind>(r);
       o.block_size = block;
       o.alignment = alignment;
       o.capacity = capacity;
       o.host_isa = isa;
-      o.grouped_kernel = grouped_kernel_from_string(kernel);
+      o.grouped_kernel = from_string<Experts::GroupedKernel>(kernel);
       Runner<Exec, MS> runner(o);
       RunLedger ledger;
       Timing t;

@@ -45,7 +45,7 @@ int run(int argc, char** argv) {
   RouterConfig config;
   config.num_experts = experts;
   config.top_k = top_k;
-  config.score = score_function_from_string(score);
+  config.score = from_string<ScoreFunction>(score);
   config.use_correction_bias = true;
   config.num_groups = groups;
   config.topk_groups = topk_groups;

@@ -2,64 +2,34 @@
 #define KOKKOSMOE_IMPL_EXCHANGE_COMMON_HPP
 
 /// \file impl/KokkosMoE_Exchange_Common.hpp
-/// \brief Pieces shared by the exchange algorithms.
+/// \brief What every exchange algorithm shares: the communicator set, its
+/// placement generation, the configuration, the transport chosen by it, a
+/// workspace, handle creation and the local checks of dispatch and combine.
 
 #include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Exchange_Config.hpp>
 #include <KokkosMoE_Exchange_Handle.hpp>
+#include <KokkosMoE_Exchange_Nccl.hpp>
+#include <KokkosMoE_Exchange_Transport.hpp>
+#include <KokkosMoE_Placement.hpp>
+#include <KokkosMoE_RowKit.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
+#include <KokkosMoE_Workspace.hpp>
 
-#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace KokkosMoE {
 namespace Exchange {
+
+/// \brief Algorithm class of an enum value: each algorithm header specializes
+/// it (template <class Exec, class MS> using type = TheExchange<Exec, MS>),
+/// which is all the factory (KokkosMoE_Exchange.hpp) needs to know of it.
+template <Algorithm A>
+struct AlgorithmClass;
+
 namespace Impl {
-
-/// Grow-only buffers reused across calls. A buffer is handed out again only
-/// when nobody else holds it (its use count is the workspace's own), so a
-/// dispatch handle that still references rows keeps them intact. Fresh
-/// allocations are first-touched by the kernels or transports that fill them,
-/// which is expensive on every platform; reuse makes repeated steps cheap.
-template <class MS>
-class Workspace {
- public:
-  using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>;
-
-  template <class Exec>
-  rows_view rows(Exec const& exec, std::string const& key, index_t n, std::size_t row_bytes) {
-    auto& v = rows_[key];
-    if (v.extent(1) != row_bytes || static_cast<index_t>(v.extent(0)) < n || v.use_count() > 1) {
-      index_t const grow = Compat::max<index_t>(n, static_cast<index_t>(v.extent(1) == row_bytes ? v.extent(0) : 0));
-      v = rows_view();
-      v = rows_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Exchange::" + key), grow, row_bytes);
-    }
-    return Kokkos::subview(v, std::pair<index_t, index_t>(0, n), Kokkos::ALL);
-  }
-
-  template <class Exec>
-  PayloadBuffer<MS> payload(Exec const& exec, std::string const& key, PayloadType type, int width, index_t n) {
-    PayloadBuffer<MS> b;
-    b.type = type;
-    b.width = width;
-    b.bytes = rows(exec, key, n, static_cast<std::size_t>(payload_row_bytes(type, width)));
-    return b;
-  }
-
-  template <class Exec>
-  Kokkos::View<RowMeta*, MS> meta(Exec const& exec, std::string const& key, index_t n) {
-    auto& v = meta_[key];
-    if (static_cast<index_t>(v.extent(0)) < n || v.use_count() > 1) {
-      v = Kokkos::View<RowMeta*, MS>();
-      v = Kokkos::View<RowMeta*, MS>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Exchange::" + key), n);
-    }
-    return Kokkos::subview(v, std::pair<index_t, index_t>(0, n));
-  }
-
- private:
-  std::map<std::string, rows_view> rows_;
-  std::map<std::string, Kokkos::View<RowMeta*, MS>> meta_;
-};
 
 /// Stage stopwatch: lap() fences the instance and returns the seconds since
 /// the previous lap (or construction).
@@ -85,84 +55,16 @@ inline std::vector<index_t> offsets_of(std::vector<index_t> const& counts) {
   return off;
 }
 
+inline index_t total(std::vector<index_t> const& v) {
+  index_t t = 0;
+  for (auto x : v) t += x;
+  return t;
+}
+
 inline std::vector<int> node_of_rank(Topology::CommunicatorSet const& comms) {
   std::vector<int> n(static_cast<std::size_t>(comms.topology().size()));
   for (int r = 0; r < comms.topology().size(); ++r) n[static_cast<std::size_t>(r)] = comms.topology().node_of(r);
   return n;
-}
-
-template <class MS>
-ByteLedger new_ledger(char const* algorithm, PayloadBuffer<MS> const& rows, int ranks) {
-  ByteLedger l;
-  l.algorithm = algorithm;
-  l.payload = to_string(rows.type);
-  l.width = rows.width;
-  l.row_bytes = rows.row_bytes();
-  l.meta_row_bytes = sizeof(RowMeta);
-  l.ranks = ranks;
-  return l;
-}
-
-/// Local check of a handle before its combine: same algorithm, this
-/// communicator epoch, a live placement generation, one return row per
-/// arrived row, not combined before. Returns the problem ("" when fine); the
-/// caller agrees on it with the other ranks.
-template <class MS>
-std::string handle_problem(Topology::CommunicatorSet const& comms, DispatchHandle<MS> const& h, char const* algorithm,
-                           index_t back_rows, PlacementRegistry const* registry, std::uint64_t last_generation) {
-  try {
-    KOKKOSMOE_REQUIRE(h.algorithm == algorithm, "a " << h.algorithm << " dispatch handle was given to the " << algorithm << " combine");
-    comms.check_epoch(h.epoch, "dispatch handle");
-    if (registry) {
-      registry->check_handle(h.generation_ref, h.generation);
-    } else {
-      KOKKOSMOE_REQUIRE(h.generation == last_generation, "dispatch handle of placement generation "
-                                                             << h.generation << " does not match the generation " << last_generation
-                                                             << " this exchange dispatches");
-    }
-    KOKKOSMOE_REQUIRE(!h.combined, "the dispatch handle was already combined");
-    KOKKOSMOE_REQUIRE(back_rows == h.recv_offsets.back(), "combine got " << back_rows << " return rows for "
-                                                                          << h.recv_offsets.back() << " dispatched rows");
-  } catch (std::exception const& e) {
-    return e.what();
-  }
-  return {};
-}
-
-/// Runs f and returns its exception message ("" when it returns normally).
-template <class F>
-std::string problem_of(F&& f) {
-  try {
-    f();
-  } catch (std::exception const& e) {
-    return e.what();
-  }
-  return {};
-}
-
-/// dst row p = src row index(p) for p < dst rows (payload rows and metadata).
-template <class Exec, class SrcView, class IndexF, class DstView>
-void gather_meta(Exec const& exec, SrcView const& src, IndexF const& index, DstView const& dst, char const* label) {
-  Kokkos::parallel_for(label, Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(dst.extent(0))),
-                       KOKKOS_LAMBDA(index_t p) { dst(p) = src(index(p)); });
-}
-
-/// dst row index(p) = src row p for p < src rows.
-template <class Exec, class MS, class IndexF>
-void scatter_rows(Exec const& exec, PayloadBuffer<MS> const& src, IndexF const& index, PayloadBuffer<MS> const& dst,
-                  char const* label) {
-  KOKKOSMOE_REQUIRE(src.type == dst.type && src.width == dst.width, label << ": payload types differ");
-  index_t const rows = src.rows();
-  if (rows == 0) return;
-  auto in = src.bytes;
-  auto out = dst.bytes;
-  std::int64_t const rb = src.row_bytes();
-  using policy_t = Kokkos::TeamPolicy<Exec>;
-  Kokkos::parallel_for(
-      label, KokkosMoE::Impl::row_policy(exec, rows), KOKKOS_LAMBDA(typename policy_t::member_type const& team) {
-        index_t const p = team.league_rank();
-        KokkosMoE::Impl::copy_row_bytes(team, &in(p, 0), &out(index(p), 0), rb);
-      });
 }
 
 /// Host copy of a device vector.
@@ -170,16 +72,6 @@ template <class V>
 std::vector<typename V::non_const_value_type> host_vector(V const& v) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
   return std::vector<typename V::non_const_value_type>(h.data(), h.data() + h.extent(0));
-}
-
-/// Host copy of one [i, :, :] plane of a rank-3 view, flattened.
-template <class V>
-std::vector<typename V::non_const_value_type> host_vector_3d(V const& v, int i) {
-  auto plane = Kokkos::subview(v, i, Kokkos::ALL, Kokkos::ALL);
-  Kokkos::View<typename V::non_const_value_type**, Kokkos::LayoutRight, Kokkos::HostSpace> h("KokkosMoE::host_plane", plane.extent(0),
-                                                                                            plane.extent(1));
-  Kokkos::deep_copy(h, plane);
-  return std::vector<typename V::non_const_value_type>(h.data(), h.data() + h.size());
 }
 
 /// Device copy of a host vector.
@@ -191,6 +83,155 @@ Kokkos::View<T*, MS> device_vector(std::vector<T> const& v, char const* label) {
   Kokkos::deep_copy(d, h);
   return d;
 }
+
+/// The base of every exchange algorithm (shared state and checks; not a
+/// polymorphic interface: see AnyExchange for that).
+template <class Exec, class MemorySpace>
+class ExchangeBase {
+ public:
+  using execution_space = Exec;
+  using memory_space = MemorySpace;
+
+  Topology::CommunicatorSet const& communicators() const { return *comms_; }
+  Placement const& placement() const { return placement_; }
+  ExchangeConfig const& config() const { return config_; }
+  TransportKind transport() const { return transport_->kind(); }
+  TransportOptions options() const { return config_.transport_options(); }
+
+ protected:
+  /// Keeps a reference to comms (which must outlive the exchange) and a copy
+  /// of the placement generation it moves rows for. With a registry, every
+  /// dispatch takes a reference to the registry's active generation (which
+  /// must be this placement's) and combine validates it.
+  ExchangeBase(Algorithm algorithm, Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config,
+               PlacementRegistry const* registry)
+      : comms_(&comms),
+        placement_(std::move(placement)),
+        config_(config),
+        registry_(registry),
+        work_("KokkosMoE::Exchange::" + to_string(algorithm)),
+        algorithm_(algorithm) {
+    config_.algorithm = algorithm;
+    // The transport is a configuration choice; every rank makes the same one,
+    // so an unavailable transport fails every rank alike.
+    transport_ = make_transport<Exec, MemorySpace>(config_.transport);
+    node_of_rank_ = node_of_rank(comms);
+    me_ = comms.global_rank();
+    KOKKOSMOE_REQUIRE(placement_.num_ranks() == comms.size(), to_string(algorithm) << " exchange: the placement spans "
+                                                                                  << placement_.num_ranks() << " ranks, the EP group "
+                                                                                  << comms.size());
+  }
+
+  /// A handle for routes/plan with the exchange's identity.
+  template <class T>
+  DispatchHandle<T, MemorySpace> new_handle(RoutePlan<MemorySpace> const& routes, DispatchPlan<MemorySpace> const& plan,
+                                            int wave) const {
+    DispatchHandle<T, MemorySpace> h;
+    h.algorithm = algorithm_;
+    h.wave = wave;
+    h.generation = placement_.generation();
+    h.epoch = comms_->epoch();
+    h.routes = routes;
+    h.plan = plan;
+    return h;
+  }
+
+  /// Local checks of a dispatch's inputs (the caller agrees on the result):
+  /// the plans belong to this rank, this placement and the EP peer order, and
+  /// hidden holds the routes' tokens in the configured width.
+  template <class T>
+  void check_dispatch(DispatchHandle<T, MemorySpace>& h, RowMatrix<T, MemorySpace> const& hidden, int waves) const {
+    auto const& ep = comms_->ep();
+    std::string const name = to_string(algorithm_);
+    KOKKOSMOE_REQUIRE(h.wave >= 0 && h.wave < waves, name << " dispatch: wave " << h.wave << " of " << waves);
+    KOKKOSMOE_REQUIRE(h.plan.peer_order == ep.peer_order(), name << " dispatch: the dispatch plan was built for another peer order");
+    KOKKOSMOE_REQUIRE(h.routes.origin_rank == me_, name << " dispatch: rank " << me_ << " got the route plan of rank " << h.routes.origin_rank);
+    KOKKOSMOE_REQUIRE(h.routes.generation == placement_.generation(),
+                      name << " dispatch: routes of placement generation " << h.routes.generation << " given to the exchange of generation "
+                           << placement_.generation());
+    KOKKOSMOE_REQUIRE(h.plan.rows() == h.routes.size(), name << " dispatch: the dispatch plan has " << h.plan.rows()
+                                                             << " rows for " << h.routes.size() << " routes");
+    KOKKOSMOE_REQUIRE(static_cast<index_t>(hidden.extent(0)) == h.routes.num_tokens,
+                      name << " dispatch: hidden has " << hidden.extent(0) << " rows for " << h.routes.num_tokens << " tokens");
+    if (registry_) {
+      h.generation_ref = registry_->acquire();
+      KOKKOSMOE_REQUIRE(h.generation_ref.generation() == placement_.generation(),
+                        name << " dispatch: the registry's active placement generation is " << h.generation_ref.generation()
+                             << ", this exchange moves rows for generation " << placement_.generation());
+    }
+  }
+
+  /// Local checks of a handle before its combine: this algorithm, this
+  /// communicator epoch, a live placement generation, one output row per
+  /// expert row, a return buffer of one row per dispatched route, not
+  /// combined before. Returns the problem ("" when fine).
+  template <class T>
+  std::string combine_problem(DispatchHandle<T, MemorySpace> const& h, RowMatrix<T, MemorySpace> const& expert_out,
+                              PayloadBuffer<MemorySpace> const& returned) const {
+    return problem_of([&] {
+      std::string const name = to_string(algorithm_);
+      KOKKOSMOE_REQUIRE(h.algorithm == algorithm_, "a " << to_string(h.algorithm) << " dispatch handle was given to the " << name << " combine");
+      comms_->check_epoch(h.epoch, "dispatch handle");
+      if (registry_) {
+        registry_->check_handle(h.generation_ref, h.generation);
+      } else {
+        KOKKOSMOE_REQUIRE(h.generation == placement_.generation(), "dispatch handle of placement generation "
+                                                                       << h.generation << " does not match the generation "
+                                                                       << placement_.generation() << " this exchange moves rows for");
+      }
+      KOKKOSMOE_REQUIRE(!h.combined, "the dispatch handle was already combined");
+      KOKKOSMOE_REQUIRE(static_cast<index_t>(expert_out.extent(0)) == h.rows() && expert_out.extent(1) == h.expert_rows.extent(1),
+                        name << " combine got " << expert_out.extent(0) << "x" << expert_out.extent(1) << " expert outputs for "
+                             << h.rows() << "x" << h.expert_rows.extent(1) << " dispatched rows");
+      KOKKOSMOE_REQUIRE(returned.rows() == h.plan.rows() && returned.type == config_.return_payload &&
+                            returned.width == static_cast<int>(h.expert_rows.extent(1)),
+                        name << " combine: the return buffer holds " << returned.rows() << " rows of " << to_string(returned.type)
+                             << "/" << returned.width << ", expected " << h.plan.rows() << " rows of "
+                             << to_string(config_.return_payload) << "/" << h.expert_rows.extent(1));
+    });
+  }
+
+  /// The expert-major receive side of a handle from per-slot counts.
+  template <class T, class Exec2>
+  void set_expert_rows(Exec2 const& exec, DispatchHandle<T, MemorySpace>& h, std::vector<index_t> counts, int width) {
+    h.expert_counts = std::move(counts);
+    h.expert_offsets = offsets_of(h.expert_counts);
+    h.expert_offsets_d = work_.template vector<index_t>(exec, "expert_offsets", static_cast<index_t>(h.expert_offsets.size()));
+    {
+      auto hv = Kokkos::create_mirror_view(h.expert_offsets_d);
+      for (std::size_t i = 0; i < h.expert_offsets.size(); ++i) hv(i) = h.expert_offsets[i];
+      Kokkos::deep_copy(exec, h.expert_offsets_d, hv);
+    }
+    h.expert_rows = work_.template matrix<T>(exec, "expert_rows", h.expert_offsets.back(), static_cast<std::size_t>(width));
+  }
+
+  /// Ledger header of one call.
+  ByteLedger new_ledger(int width) const {
+    ByteLedger l;
+    l.algorithm = to_string(algorithm_);
+    l.payload = to_string(config_.payload);
+    l.width = width;
+    l.row_bytes = payload_row_bytes(config_.payload, width);
+    l.meta_row_bytes = sizeof(RowMeta);
+    l.ranks = 1;
+    return l;
+  }
+
+  void set_combine_format(ByteLedger& l, int width) const {
+    l.combine_payload = to_string(config_.return_payload);
+    l.combine_row_bytes = payload_row_bytes(config_.return_payload, width);
+  }
+
+  Topology::CommunicatorSet const* comms_;
+  Placement placement_;
+  ExchangeConfig config_;
+  PlacementRegistry const* registry_;
+  std::unique_ptr<Transport<Exec, MemorySpace>> transport_;
+  Workspace<MemorySpace> work_;
+  std::vector<int> node_of_rank_;
+  int me_ = -1;
+  Algorithm algorithm_;
+};
 
 }  // namespace Impl
 }  // namespace Exchange

@@ -1,0 +1,76 @@
+#ifndef KOKKOSMOE_EXCHANGE_CONFIG_HPP
+#define KOKKOSMOE_EXCHANGE_CONFIG_HPP
+
+/// \file KokkosMoE_Exchange_Config.hpp
+/// \brief What an exchange is asked to be: its algorithm, its transport, the
+/// wire representation of the rows in both directions, the watchdog, and the
+/// static shape of the pooled-wave algorithm. Names of the enums are the deck
+/// and command-line values (KokkosMoE_EnumNames.hpp).
+
+#include <KokkosMoE_EnumNames.hpp>
+#include <KokkosMoE_Payload.hpp>
+#include <KokkosMoE_Types.hpp>
+
+#include <string>
+
+namespace KokkosMoE {
+namespace Exchange {
+
+/// \brief Exchange algorithms; every one implements the contract of
+/// KokkosMoE_Exchange.hpp (dispatch / combine through a handle).
+enum class Algorithm { flat, hierarchical, pooled_wave };
+
+inline EnumTable<Algorithm> const& names_of(Algorithm) {
+  static EnumTable<Algorithm> const t{"exchange algorithm",
+                                      {{Algorithm::flat, "flat"},
+                                       {Algorithm::hierarchical, "hierarchical"},
+                                       {Algorithm::pooled_wave, "pooled_wave"}}};
+  return t;
+}
+
+/// \brief How rows move between ranks: MPI (host buffers, or device buffers
+/// directly when the MPI is CUDA-aware, else staged), or NCCL (device
+/// buffers on the execution space instance's stream; CUDA builds with NCCL).
+enum class TransportKind { mpi, nccl };
+
+inline EnumTable<TransportKind> const& names_of(TransportKind) {
+  static EnumTable<TransportKind> const t{"exchange transport", {{TransportKind::mpi, "mpi"}, {TransportKind::nccl, "nccl"}}};
+  return t;
+}
+
+/// \brief True when this build can run the transport (NCCL: built with
+/// KokkosMoE_ENABLE_NCCL on a CUDA Kokkos).
+bool transport_available(TransportKind kind);
+
+/// \brief Why the transport is not available in this build ("" when it is),
+/// naming the build option that enables it.
+std::string transport_unavailable_reason(TransportKind kind);
+
+/// \brief Watchdog of every wait of a transport or an agreement.
+struct TransportOptions {
+  /// Seconds a rank waits for its peers before reporting which ones are
+  /// missing and failing the call (0: wait forever).
+  double watchdog_seconds = 300.0;
+};
+
+/// \brief Configuration of one exchange (any algorithm).
+struct ExchangeConfig {
+  Algorithm algorithm = Algorithm::flat;
+  TransportKind transport = TransportKind::mpi;
+  PayloadType payload = PayloadType::bf16;         ///< dispatch rows on the wire
+  PayloadType return_payload = PayloadType::bf16;  ///< combine rows on the wire
+  double watchdog_seconds = 300.0;                 ///< see TransportOptions
+  // Pooled-wave static shape (A = tokens_per_rank * top_k routes per rank).
+  int waves = 1;                 ///< W
+  double sender_cf = 1.25;       ///< sender pool rows ceil(sender_cf * A / P / W)
+  double receiver_cf = 1.5;      ///< receiver rows per local expert ceil(receiver_cf * A / L / W)
+  index_t tokens_per_rank = 0;   ///< the largest token count of any rank
+  int top_k = 1;
+
+  TransportOptions transport_options() const { return TransportOptions{watchdog_seconds}; }
+};
+
+}  // namespace Exchange
+}  // namespace KokkosMoE
+
+#endif

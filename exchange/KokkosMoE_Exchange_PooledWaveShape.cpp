@@ -1,0 +1,68 @@
+#include <KokkosMoE_Error.hpp>
+#include <KokkosMoE_Exchange_PooledWaveShape.hpp>
+
+#include <algorithm>
+
+#include <cmath>
+
+namespace KokkosMoE {
+namespace Exchange {
+
+namespace {
+// ceil(x) for a product of decimal factors: a tiny relative tolerance keeps
+// exact integers (e.g. 1.0 * 8 / 2) from rounding up through binary error.
+index_t ceil_tolerant(double x) { return static_cast<index_t>(std::ceil(x * (1.0 - 1e-12))); }
+}  // namespace
+
+PooledWaveConfig pooled_wave_config(ExchangeConfig const& config, Placement const& placement) {
+  PooledWaveConfig pc;
+  pc.waves = config.waves;
+  pc.sender_cf = config.sender_cf;
+  pc.receiver_cf = config.receiver_cf;
+  pc.tokens_per_rank = config.tokens_per_rank;
+  pc.top_k = config.top_k;
+  int most = 0;
+  for (int r = 0; r < placement.num_ranks(); ++r) most = std::max(most, placement.num_slots_of_rank(r));
+  pc.local_experts = std::max(1, most);
+  return pc;
+}
+
+PooledWaveShapes pooled_wave_shapes(PooledWaveConfig const& c, int ranks) {
+  KOKKOSMOE_REQUIRE(c.waves >= 1, "pooled-wave: waves must be at least 1 (got " << c.waves << ")");
+  KOKKOSMOE_REQUIRE(c.sender_cf > 0 && c.receiver_cf > 0, "pooled-wave: capacity factors must be positive (sender "
+                                                              << c.sender_cf << ", receiver " << c.receiver_cf << ")");
+  KOKKOSMOE_REQUIRE(c.tokens_per_rank >= 0 && c.top_k >= 1 && c.local_experts >= 1 && ranks >= 1,
+                    "pooled-wave: tokens_per_rank " << c.tokens_per_rank << ", top_k " << c.top_k << ", local experts "
+                                                    << c.local_experts << ", ranks " << ranks);
+  PooledWaveShapes s;
+  s.assignments = c.tokens_per_rank * c.top_k;
+  double const A = static_cast<double>(s.assignments);
+  s.sender_pool_rows = ceil_tolerant(c.sender_cf * A / ranks / c.waves);
+  s.receiver_expert_rows = ceil_tolerant(c.receiver_cf * A / c.local_experts / c.waves);
+  s.pool_rows_with_header = s.sender_pool_rows + 1;
+  return s;
+}
+
+int pooled_wave_id_bits(int local_experts) {
+  int bits = 1;
+  while ((1 << bits) < local_experts + 1) ++bits;
+  KOKKOSMOE_REQUIRE(bits <= 16, "pooled-wave: " << local_experts << " local experts need " << bits << "-bit ids (at most 16)");
+  return bits;
+}
+
+std::int64_t pooled_wave_header_bytes(index_t pool_rows, int local_experts) {
+  return (pool_rows * pooled_wave_id_bits(local_experts) + 7) / 8;
+}
+
+DropRates drop_rates(std::int64_t A, std::int64_t S, std::int64_t R) {
+  DropRates d;
+  if (A <= 0) return d;
+  d.sender = static_cast<double>(S) / static_cast<double>(A);
+  d.receiver = static_cast<double>(R) / static_cast<double>(A);
+  d.total = d.sender + d.receiver;
+  d.conditional_receiver = A > S ? static_cast<double>(R) / static_cast<double>(A - S) : 0.0;
+  return d;
+}
+
+}  // namespace Exchange
+}  // namespace KokkosMoE

@@ -1,0 +1,71 @@
+#ifndef KOKKOSMOE_EXCHANGE_POOLEDWAVESHAPE_HPP
+#define KOKKOSMOE_EXCHANGE_POOLEDWAVESHAPE_HPP
+
+/// \file KokkosMoE_Exchange_PooledWaveShape.hpp
+/// \brief The static shapes of the pooled-wave exchange (shared by the
+/// exchange and the planner): sender pools, receiver arrays, header rows,
+/// and the drop rates of a ledger.
+
+#include <KokkosMoE_Exchange_Config.hpp>
+#include <KokkosMoE_KokkosCompat.hpp>
+#include <KokkosMoE_Placement.hpp>
+#include <KokkosMoE_Types.hpp>
+
+#include <cstdint>
+
+namespace KokkosMoE {
+namespace Exchange {
+
+/// \brief Static configuration of the pooled-wave exchange.
+struct PooledWaveConfig {
+  int waves = 1;                ///< W
+  double sender_cf = 1.0;       ///< sender capacity factor
+  double receiver_cf = 1.0;     ///< receiver capacity factor
+  index_t tokens_per_rank = 0;  ///< static token count per rank (A = tokens_per_rank * top_k)
+  int top_k = 1;
+  int local_experts = 1;        ///< L: local expert slots per rank (the largest over ranks)
+};
+
+/// \brief The pooled-wave shape of an exchange configuration on a placement:
+/// its waves and capacity factors, tokens per rank, top-k, and the most slots
+/// on any rank (the one place this shape is derived).
+PooledWaveConfig pooled_wave_config(ExchangeConfig const& config, Placement const& placement);
+
+/// \brief The static shapes derived from a configuration.
+struct PooledWaveShapes {
+  index_t assignments = 0;           ///< A = tokens_per_rank * top_k
+  index_t sender_pool_rows = 0;      ///< ceil(sender_cf * A / P / W)
+  index_t receiver_expert_rows = 0;  ///< ceil(receiver_cf * A / L / W)
+  index_t pool_rows_with_header = 0;
+};
+
+/// \brief Shapes for P ranks; throws Error for non-positive sizes or factors.
+PooledWaveShapes pooled_wave_shapes(PooledWaveConfig const& c, int ranks);
+
+/// \brief Bits per packed local expert id: enough for 0..L, where L marks an
+/// empty pool row.
+int pooled_wave_id_bits(int local_experts);
+
+/// \brief Bytes of one header row holding pool_rows packed ids.
+std::int64_t pooled_wave_header_bytes(index_t pool_rows, int local_experts);
+
+/// \brief Drop rates of a reduced ledger: S/A, R/A, (S+R)/A and R/(A-S).
+struct DropRates {
+  double sender = 0, receiver = 0, total = 0, conditional_receiver = 0;
+};
+DropRates drop_rates(std::int64_t assignments, std::int64_t sender_drops, std::int64_t receiver_drops);
+
+namespace Impl {
+/// Reads packed id j (bits wide) from a header row.
+KOKKOS_INLINE_FUNCTION int read_packed_id(unsigned char const* hdr, index_t j, int bits) {
+  index_t const bit = j * bits;
+  std::uint32_t word = 0;
+  for (int b = 0; b < 3; ++b) word |= static_cast<std::uint32_t>(hdr[bit / 8 + b]) << (8 * b);
+  return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1u));
+}
+}  // namespace Impl
+
+}  // namespace Exchange
+}  // namespace KokkosMoE
+
+#endif

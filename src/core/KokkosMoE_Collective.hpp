@@ -1,0 +1,113 @@
+#ifndef KOKKOSMOE_COLLECTIVE_HPP
+#define KOKKOSMOE_COLLECTIVE_HPP
+
+/// \file KokkosMoE_Collective.hpp
+/// \brief Errors that reach every rank (one agreement helper), and checked
+/// MPI calls.
+///
+/// A rank that finds an error inside a collective region must not throw
+/// alone: the other ranks would wait forever in the next collective. The
+/// helpers here agree on failure first and then throw the same
+/// CollectiveError on every rank, naming the lowest failing rank and its
+/// message.
+
+#include <KokkosMoE_Error.hpp>
+
+#include <mpi.h>
+
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace KokkosMoE {
+
+/// \brief An error raised on every rank of a communicator because at least one
+/// rank failed. origin_rank() is the lowest failing rank (in that
+/// communicator), failed_ranks() how many ranks failed.
+class CollectiveError : public Error {
+ public:
+  CollectiveError(int origin_rank, int failed_ranks, std::string origin_message,
+                  std::string const& what)
+      : Error(what),
+        origin_rank_(origin_rank),
+        failed_ranks_(failed_ranks),
+        origin_message_(std::move(origin_message)) {}
+  int origin_rank() const noexcept { return origin_rank_; }
+  int failed_ranks() const noexcept { return failed_ranks_; }
+  /// \brief The message of the origin rank's own error.
+  std::string const& origin_message() const noexcept { return origin_message_; }
+
+ private:
+  int origin_rank_;
+  int failed_ranks_;
+  std::string origin_message_;
+};
+
+/// \brief Runs f and returns its exception message ("" when it returns
+/// normally). The local half of an agreement: see agree().
+template <class F>
+std::string problem_of(F&& f) {
+  try {
+    std::forward<F>(f)();
+  } catch (std::exception const& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+  return {};
+}
+
+/// \brief The one collective agreement on failure. Collective over comm:
+/// every rank passes its problem ("" when it has none). When any rank has
+/// one, every rank throws the same CollectiveError naming the lowest failing
+/// rank, how many failed and that rank's message; otherwise every rank
+/// returns normally. The agreement is a nonblocking reduction polled under a
+/// watchdog: with watchdog_seconds > 0, a rank that waits longer than that
+/// for a peer that never enters the call throws Error naming the region, the
+/// communicator and this rank (0: wait forever).
+void agree(MPI_Comm comm, std::string const& problem, char const* region = "collective region",
+           double watchdog_seconds = 0.0);
+
+/// \brief Runs f() on every rank of comm and agrees on the outcome (see
+/// agree()): an exception thrown by f on any rank becomes the same
+/// CollectiveError on all ranks. f must not itself enter collectives that a
+/// failed rank would skip.
+template <class F>
+void collective(MPI_Comm comm, char const* region, F&& f, double watchdog_seconds = 0.0) {
+  agree(comm, problem_of(std::forward<F>(f)), region, watchdog_seconds);
+}
+
+namespace Impl {
+[[noreturn]] void throw_mpi_error(int code, char const* call, MPI_Comm comm, char const* file,
+                                  int line);
+}  // namespace Impl
+
+/// \brief Collective: every rank contributes a string, every rank gets all
+/// of them in rank order.
+std::vector<std::string> allgather_strings(MPI_Comm comm, std::string const& mine);
+
+/// \brief Collective: rank root's string on every rank.
+std::string broadcast_string(MPI_Comm comm, std::string const& text, int root = 0);
+
+/// \brief Rank of the calling process in comm.
+int comm_rank(MPI_Comm comm);
+/// \brief Number of ranks in comm.
+int comm_size(MPI_Comm comm);
+/// \brief The name of comm (MPI_Comm_get_name), or "unnamed communicator".
+std::string comm_name(MPI_Comm comm);
+
+}  // namespace KokkosMoE
+
+/// \brief Checks an MPI return code; on failure throws KokkosMoE::Error naming
+/// the call, the rank and the communicator. The communicator must use
+/// MPI_ERRORS_RETURN for codes to come back (KokkosMoE's own communicators do).
+#define KOKKOSMOE_MPI_CHECK(call, comm)                                        \
+  do {                                                                         \
+    int kokkosmoe_mpi_rc_ = (call);                                            \
+    if (kokkosmoe_mpi_rc_ != MPI_SUCCESS)                                      \
+      ::KokkosMoE::Impl::throw_mpi_error(kokkosmoe_mpi_rc_, #call, (comm),     \
+                                         __FILE__, __LINE__);                  \
+  } while (0)
+
+#endif

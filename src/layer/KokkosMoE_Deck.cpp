@@ -1,0 +1,452 @@
+#include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Deck.hpp>
+#include <KokkosMoE_Error.hpp>
+
+#include <impl/KokkosMoE_DeckReader.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <set>
+#include <sstream>
+
+namespace KokkosMoE {
+
+namespace {
+
+constexpr std::int64_t big = std::numeric_limits<std::int32_t>::max();
+constexpr double huge = 1e300;
+
+/// Typed, located reads out of the deck (TOML kept out of this file).
+using Reader = Impl::DeckReader;
+
+PayloadType payload_of(Reader& r, std::string const& key, std::string const& def, bool allow_fp8) {
+  std::vector<std::string> choices = {"fp32", "bf16"};
+  if (allow_fp8) {
+    choices.push_back("fp8_row");
+    choices.push_back("fp8_block128");
+  }
+  return from_string<PayloadType>(r.choice(key, def, choices));
+}
+
+std::string toml_list(std::vector<int> const& v) {
+  std::ostringstream os;
+  os << "[";
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  os << "]";
+  return os.str();
+}
+
+template <class T>
+std::string toml_list_of(std::vector<T> const& v) {
+  std::ostringstream os;
+  os.precision(9);
+  os << "[";
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  os << "]";
+  return os.str();
+}
+
+std::string quoted(std::string const& s) { return "\"" + s + "\""; }
+
+template <class E>
+std::vector<std::string> names_of_values(std::vector<E> const& v) {
+  std::vector<std::string> out;
+  for (E e : v) out.push_back(to_string(e));
+  return out;
+}
+
+std::string quoted_list(std::vector<std::string> const& v) {
+  std::ostringstream os;
+  os << "[";
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << quoted(v[i]);
+  os << "]";
+  return os.str();
+}
+
+/// [run]
+void parse_run(Reader& r, LayerDeck& d) {
+  d.run.steps = static_cast<int>(r.integer("run.steps", d.run.steps, 0, big));
+  d.run.warmup = static_cast<int>(r.integer("run.warmup", d.run.warmup, 0, big));
+  d.run.seed = static_cast<std::uint64_t>(r.integer("run.seed", 1234, 0, std::numeric_limits<std::int64_t>::max()));
+  d.run.report = r.string("run.report", "");
+  d.run.hdf5 = r.string("run.hdf5", "");
+  d.run.progress_every = static_cast<int>(r.integer("run.progress_every", 0, 0, big));
+  d.run.compare = r.options<Exchange::Algorithm>("run.compare");
+}
+
+/// [model]
+void parse_model(Reader& r, LayerDeck& d) {
+  d.model.hidden = static_cast<int>(r.integer("model.hidden", d.model.hidden, 1, big));
+  d.model.experts = static_cast<int>(r.integer("model.experts", d.model.experts, 1, 65535));
+  d.model.top_k = static_cast<int>(r.integer("model.top_k", d.model.top_k, 1, big));
+  if (d.model.top_k > d.model.experts)
+    r.fail("model.top_k", "= " + std::to_string(d.model.top_k) + " exceeds model.experts = " + std::to_string(d.model.experts));
+  d.model.ffn = static_cast<int>(r.integer("model.ffn", d.model.ffn, 1, big));
+  d.model.shared_experts = static_cast<int>(r.integer("model.shared_experts", 0, 0, 64));
+  d.model.shared_ffn = static_cast<int>(r.integer("model.shared_ffn", d.model.ffn, 1, big));
+  d.model.dtype = r.choice("model.dtype", "fp32", {"fp32", "bf16"});
+  d.model.payload = payload_of(r, "model.payload", "bf16", true);
+  d.model.return_payload = payload_of(r, "model.return_payload", "bf16", false);
+}
+
+/// [router] (num_experts and top_k from [model])
+void parse_router(Reader& r, LayerDeck& d) {
+  RouterConfig& rc = d.router;
+  rc.num_experts = d.model.experts;
+  rc.top_k = d.model.top_k;
+  rc.score = from_string<ScoreFunction>(r.choice("router.score", "softmax", {"softmax", "sigmoid"}));
+  rc.num_groups = static_cast<int>(r.integer("router.groups", 1, 1, 65535));
+  if (d.model.experts % rc.num_groups != 0)
+    r.fail("router.groups", "= " + std::to_string(rc.num_groups) + " does not divide model.experts = " + std::to_string(d.model.experts));
+  rc.topk_groups = static_cast<int>(r.integer("router.topk_groups", rc.num_groups, 1, 65535));
+  if (rc.topk_groups > rc.num_groups)
+    r.fail("router.topk_groups", "= " + std::to_string(rc.topk_groups) + " exceeds router.groups = " + std::to_string(rc.num_groups));
+  {
+    std::string const gs = r.string("router.group_score", rc.topk_groups < rc.num_groups ? "max" : "none");
+    try {
+      rc.group_score = set_score_from_string(gs, &rc.group_top_m);
+    } catch (Error const& e) {
+      r.fail("router.group_score", e.what());
+    }
+  }
+  d.domain_limit = r.choice("router.domain_limit", "none", {"none", "rank", "node"});
+  rc.max_domains = static_cast<int>(r.integer("router.max_domains", d.domain_limit == "none" ? 0 : 1, 0, 65535));
+  if (d.domain_limit != "none" && rc.max_domains < 1) r.fail("router.max_domains", "must be >= 1 with a domain limit");
+  {
+    std::string const ds = r.string("router.domain_score", "max");
+    try {
+      rc.domain_score = set_score_from_string(ds, &rc.domain_top_m);
+    } catch (Error const& e) {
+      r.fail("router.domain_score", e.what());
+    }
+  }
+  if (d.domain_limit != "none" && rc.group_limited())
+    r.fail("router.domain_limit", "a domain limit cannot be combined with a group limit (router.topk_groups < router.groups)");
+  rc.normalize = r.boolean("router.normalize", rc.score == ScoreFunction::sigmoid);
+  rc.route_scale = static_cast<float>(r.real("router.route_scale", 1.0, 0.0, huge, true));
+  rc.use_correction_bias = r.boolean("router.correction_bias", false);
+  d.bias_update = r.choice("router.bias_update", "none", {"none", "sign", "proportional"});
+  d.bias_gamma = r.real("router.bias_gamma", 0.001, 0.0, huge);
+  if (d.bias_update != "none" && !rc.use_correction_bias)
+    r.fail("router.bias_update", "needs router.correction_bias = true");
+  rc.admission.policy = r.option("router.admission", AdmissionPolicy::dropless);
+  rc.admission.capacity_factor = r.real("router.capacity_factor", 1.0, 0.0, huge, true);
+  d.router_gemm = r.option("router.gemm", GemmPath::automatic);
+  if (rc.top_k > rc.min_eligible_experts() && d.domain_limit == "none")
+    r.fail("model.top_k", "= " + std::to_string(rc.top_k) + " exceeds the " + std::to_string(rc.min_eligible_experts()) +
+                              " experts of router.topk_groups = " + std::to_string(rc.topk_groups) + " groups");
+}
+
+/// [tokens]: synthetic distributions or explicit tokens of every rank
+void parse_tokens(Reader& r, LayerDeck& d, int ranks_for_layout) {
+  d.tokens.per_rank = r.integer("tokens.per_rank", 64, 0, big);
+  d.tokens.source = r.choice("tokens.source", "router", {"router", "uniform", "zipf", "hot", "explicit"});
+  d.tokens.zipf_s = r.real("tokens.zipf_s", 1.2, 0.0, huge, true);
+  d.tokens.hot_expert = static_cast<int>(r.integer("tokens.hot_expert", 0, 0, d.model.experts - 1));
+  d.tokens.hot_fraction = r.real("tokens.hot_fraction", 0.5, 0.0, 1.0);
+  r.tables("tokens.rank", [&](Reader& t, std::size_t i) {
+    DeckRankTokens rank;
+    t.number_rows("hidden", [&](std::size_t row, std::vector<double> const& values) {
+      std::vector<float> v;
+      for (double const x : values) v.push_back(static_cast<float>(x));
+      if (static_cast<int>(v.size()) != d.model.hidden)
+        t.fail("hidden", "row " + std::to_string(row) + " has " + std::to_string(v.size()) + " values, model.hidden is " +
+                             std::to_string(d.model.hidden));
+      rank.hidden.push_back(v);
+    });
+    t.tables("routes", [&](Reader& rt, std::size_t) {
+      DeckRoute route;
+      route.token = static_cast<int>(rt.integer("token", 0, 0, static_cast<std::int64_t>(rank.hidden.size()) - 1));
+      route.k_slot = static_cast<int>(rt.integer("k_slot", 0, 0, d.model.top_k - 1));
+      route.expert = static_cast<int>(rt.integer("expert", 0, 0, d.model.experts - 1));
+      route.gate = static_cast<float>(rt.real("gate", 0.0, -huge, huge));
+      route.slot = static_cast<int>(rt.integer("slot", -1, -1, big));
+      rank.routes.push_back(route);
+    });
+    (void)i;
+    d.tokens.ranks.push_back(std::move(rank));
+  });
+  if (d.tokens.source == "explicit") {
+    if (static_cast<int>(d.tokens.ranks.size()) != ranks_for_layout)
+      r.fail("tokens.rank", "explicit tokens are given for " + std::to_string(d.tokens.ranks.size()) + " ranks, the run has " +
+                                std::to_string(ranks_for_layout));
+    for (std::size_t q = 0; q < d.tokens.ranks.size(); ++q) {
+      auto const& rk = d.tokens.ranks[q];
+      std::vector<int> seen(rk.hidden.size() * static_cast<std::size_t>(d.model.top_k), 0);
+      for (auto const& rt : rk.routes) ++seen[static_cast<std::size_t>(rt.token) * static_cast<std::size_t>(d.model.top_k) + static_cast<std::size_t>(rt.k_slot)];
+      for (std::size_t x = 0; x < seen.size(); ++x)
+        if (seen[x] != 1)
+          r.fail("tokens.rank", "rank " + std::to_string(q) + " token " + std::to_string(x / static_cast<std::size_t>(d.model.top_k)) +
+                                    " k-slot " + std::to_string(x % static_cast<std::size_t>(d.model.top_k)) + " has " +
+                                    std::to_string(seen[x]) + " routes (exactly one expected)");
+    }
+  } else if (!d.tokens.ranks.empty()) {
+    r.fail("tokens.rank", "explicit tokens need tokens.source = \"explicit\"");
+  }
+  if (d.tokens.source == "explicit" && r.has("tokens.per_rank"))
+    r.fail("tokens.per_rank", "explicit tokens take their count from [[tokens.rank]]");
+}
+
+/// [topology]: virtual, synthetic or hwloc nodes; peer order; relays
+void parse_topology(Reader& r, LayerDeck& d, int ranks_for_layout) {
+  d.topology.layout = r.option("topology.layout", Topology::LayoutKind::virtual_nodes);
+  d.topology.nodes = static_cast<int>(r.integer("topology.nodes", 0, 1, big));
+  d.topology.ranks_per_node = static_cast<int>(r.integer("topology.ranks_per_node", 0, 1, big));
+  for (auto v : r.integers("topology.node_of_rank", 0, big)) d.topology.node_of_rank.push_back(static_cast<int>(v));
+  d.topology.nics = r.strings("topology.nics");
+  d.topology.synthetic = r.string("topology.synthetic", "");
+  d.topology.xml = r.string("topology.xml", "");
+  for (auto v : r.integers("topology.peer_order", 0, big)) d.topology.peer_order.push_back(static_cast<int>(v));
+  d.topology.relays_per_node = static_cast<int>(r.integer("topology.relays_per_node", 1, 1, big));
+  d.topology.relay_policy = r.option("topology.relay_policy", Topology::RelayPolicy::lowest_local_rank);
+  if (d.topology.layout != Topology::LayoutKind::hwloc) {
+    int const given = (d.topology.nodes > 0) + (d.topology.ranks_per_node > 0) + !d.topology.node_of_rank.empty();
+    if (given > 1)
+      r.fail(d.topology.nodes > 0 ? "topology.nodes" : "topology.node_of_rank",
+             "give one of topology.nodes, topology.ranks_per_node and topology.node_of_rank");
+    if (d.topology.nodes > 0) {
+      // Nodes as even as possible, at most one per rank.
+      int const nodes = std::min(d.topology.nodes, ranks_for_layout);
+      for (int q = 0; q < ranks_for_layout; ++q)
+        d.topology.node_of_rank.push_back(static_cast<int>(static_cast<std::int64_t>(q) * nodes / ranks_for_layout));
+      d.topology.nodes = nodes;
+    }
+    if (d.topology.ranks_per_node == 0 && d.topology.node_of_rank.empty()) d.topology.ranks_per_node = ranks_for_layout;
+    if (d.topology.ranks_per_node > 0 && ranks_for_layout % d.topology.ranks_per_node != 0)
+      r.fail("topology.ranks_per_node", "= " + std::to_string(d.topology.ranks_per_node) + " does not divide the " +
+                                            std::to_string(ranks_for_layout) + " ranks of the run");
+    if (!d.topology.node_of_rank.empty() && static_cast<int>(d.topology.node_of_rank.size()) != ranks_for_layout)
+      r.fail("topology.node_of_rank", "has " + std::to_string(d.topology.node_of_rank.size()) + " entries for " +
+                                          std::to_string(ranks_for_layout) + " ranks");
+    int min_rpn = d.topology.ranks_per_node;
+    if (!d.topology.node_of_rank.empty()) {
+      std::vector<int> count;
+      for (int n : d.topology.node_of_rank) {
+        if (n >= static_cast<int>(count.size())) count.resize(static_cast<std::size_t>(n) + 1, 0);
+        ++count[static_cast<std::size_t>(n)];
+      }
+      min_rpn = *std::min_element(count.begin(), count.end());
+      if (min_rpn == 0) r.fail("topology.node_of_rank", "node ids must be contiguous from 0");
+    }
+    if (d.topology.relays_per_node > min_rpn)
+      r.fail("topology.relays_per_node", "= " + std::to_string(d.topology.relays_per_node) + " is more than the " +
+                                             std::to_string(min_rpn) + " ranks of the smallest node");
+  } else if (d.topology.ranks_per_node > 0 || !d.topology.node_of_rank.empty() || d.topology.nodes > 0) {
+    r.fail("topology.layout", "\"hwloc\" takes nodes from the machine; remove topology.nodes / ranks_per_node / node_of_rank");
+  }
+  if (d.topology.layout == Topology::LayoutKind::synthetic && d.topology.synthetic.empty() == d.topology.xml.empty())
+    r.fail("topology.synthetic", "a synthetic layout needs exactly one of topology.synthetic and topology.xml");
+  if (!d.topology.peer_order.empty()) {
+    if (static_cast<int>(d.topology.peer_order.size()) != ranks_for_layout)
+      r.fail("topology.peer_order", "has " + std::to_string(d.topology.peer_order.size()) + " entries for " +
+                                        std::to_string(ranks_for_layout) + " ranks");
+    std::vector<int> seen(static_cast<std::size_t>(ranks_for_layout), 0);
+    for (int x : d.topology.peer_order) {
+      if (x >= ranks_for_layout) r.fail("topology.peer_order", "names rank " + std::to_string(x) + " of a " + std::to_string(ranks_for_layout) + "-rank run");
+      if (seen[static_cast<std::size_t>(x)]++) r.fail("topology.peer_order", "lists rank " + std::to_string(x) + " twice");
+    }
+  }
+}
+
+/// [placement]
+void parse_placement(Reader& r, LayerDeck& d, int ranks_for_layout) {
+  d.placement.policy = r.option("placement.policy", PlacementPolicy::round_robin);
+  d.placement.physical_slots = static_cast<int>(r.integer("placement.physical_slots", 0, 0, big));
+  d.placement.groups = static_cast<int>(r.integer("placement.groups", 1, 1, 65535));
+  d.placement.loads = r.reals("placement.loads", 0.0, huge);
+  d.placement.load_file = r.string("placement.load_file", "");
+  d.placement.replica_policy = r.option("placement.replica_policy", ReplicaPolicy::locality);
+  r.tables("placement.slots", [&](Reader& s, std::size_t) {
+    DeckSlot slot;
+    slot.expert = static_cast<int>(s.integer("expert", 0, 0, d.model.experts - 1));
+    slot.rank = static_cast<int>(s.integer("rank", 0, 0, ranks_for_layout - 1));
+    d.placement.slots.push_back(slot);
+  });
+  bool const eplb = is_eplb(d.placement.policy);
+  if (d.placement.policy == PlacementPolicy::explicit_slots) {
+    if (d.placement.slots.empty()) r.fail("placement.slots", "an explicit placement needs [[placement.slots]]");
+    std::vector<int> copies(static_cast<std::size_t>(d.model.experts), 0);
+    for (auto const& s : d.placement.slots) ++copies[static_cast<std::size_t>(s.expert)];
+    for (int e = 0; e < d.model.experts; ++e)
+      if (copies[static_cast<std::size_t>(e)] == 0) r.fail("placement.slots", "expert " + std::to_string(e) + " has no slot");
+  } else if (!d.placement.slots.empty()) {
+    r.fail("placement.slots", "slots are only read with placement.policy = \"explicit\"");
+  }
+  if (eplb) {
+    int const S = d.placement.physical_slots == 0 ? d.model.experts : d.placement.physical_slots;
+    if (S < d.model.experts) r.fail("placement.physical_slots", "= " + std::to_string(S) + " is fewer than the " + std::to_string(d.model.experts) + " experts");
+    if (S % ranks_for_layout != 0)
+      r.fail("placement.physical_slots", "= " + std::to_string(S) + " is not a multiple of the " + std::to_string(ranks_for_layout) + " ranks");
+    if (d.model.experts % d.placement.groups != 0)
+      r.fail("placement.groups", "= " + std::to_string(d.placement.groups) + " does not divide model.experts = " + std::to_string(d.model.experts));
+    if (!d.placement.loads.empty() && static_cast<int>(d.placement.loads.size()) != d.model.experts)
+      r.fail("placement.loads", "has " + std::to_string(d.placement.loads.size()) + " entries for " + std::to_string(d.model.experts) + " experts");
+    d.placement.physical_slots = S;
+  } else if (d.placement.physical_slots != 0 || !d.placement.loads.empty() || !d.placement.load_file.empty()) {
+    r.fail(d.placement.physical_slots != 0 ? "placement.physical_slots" : (d.placement.loads.empty() ? "placement.load_file" : "placement.loads"),
+           "is only read with an EPLB placement policy");
+  }
+}
+
+/// [exchange]
+void parse_exchange(Reader& r, LayerDeck& d) {
+  d.exchange.algorithm = r.option("exchange.algorithm", Exchange::Algorithm::flat);
+  d.exchange.transport = r.option("exchange.transport", Exchange::TransportKind::mpi);
+  if (!Exchange::transport_available(d.exchange.transport))
+    r.fail("exchange.transport", Exchange::transport_unavailable_reason(d.exchange.transport));
+  d.exchange.watchdog_seconds = r.real("exchange.watchdog_seconds", 300.0, 0.0, huge);
+  d.exchange.waves = static_cast<int>(r.integer("exchange.waves", 1, 1, 1024));
+  d.exchange.sender_cf = r.real("exchange.sender_cf", 1.25, 0.0, huge, true);
+  d.exchange.receiver_cf = r.real("exchange.receiver_cf", 1.5, 0.0, huge, true);
+}
+
+/// [experts]
+void parse_experts(Reader& r, LayerDeck& d) {
+  d.experts.runner = r.option("experts.runner", Experts::RunnerKind::grouped);
+  d.experts.capacity = r.integer("experts.capacity", 0, 0, big);
+  d.experts.alignment = r.integer("experts.alignment", 1, 1, big);
+  d.experts.block_size = r.integer("experts.block_size", 128, 1, big);
+  d.experts.gemm = r.option("experts.gemm", GemmPath::automatic);
+  d.experts.weights = r.string("experts.weights", "");
+  d.experts.save_weights = r.string("experts.save_weights", "");
+  for (double s : r.reals("experts.scales", -huge, huge)) d.experts.scales.push_back(static_cast<float>(s));
+  if (d.experts.runner == Experts::RunnerKind::scalar) {
+    if (d.experts.scales.empty()) d.experts.scales.assign(static_cast<std::size_t>(d.model.experts), 1.0f);
+    if (static_cast<int>(d.experts.scales.size()) != d.model.experts)
+      r.fail("experts.scales", "has " + std::to_string(d.experts.scales.size()) + " entries for " + std::to_string(d.model.experts) + " experts");
+    if (!d.experts.weights.empty()) r.fail("experts.weights", "scalar experts have no weights to load");
+  } else if (!d.experts.scales.empty()) {
+    r.fail("experts.scales", "scales are only read with experts.runner = \"scalar\"");
+  }
+}
+
+/// The router's own checks (groups, scores, admission) with file context.
+void check_router(Reader const& r, LayerDeck const& d, int ranks) {
+  try {
+    RouterConfig check = d.router;
+    if (d.domain_limit != "none") {
+      check.expert_domain.assign(static_cast<std::size_t>(d.model.experts), 0);
+      for (int e = 0; e < d.model.experts; ++e) check.expert_domain[static_cast<std::size_t>(e)] = e % std::max(1, d.router.max_domains);
+    }
+    if (check.admission.policy == AdmissionPolicy::device_capacity) {
+      check.admission.num_devices = ranks;
+      check.admission.expert_device.assign(static_cast<std::size_t>(d.model.experts), 0);
+    }
+    check.validate();
+  } catch (Error const& e) {
+    KOKKOSMOE_THROW(r.where("router") << ": table [router]: " << e.what());
+  }
+}
+
+}  // namespace
+
+LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int nranks) {
+  KOKKOSMOE_REQUIRE(nranks >= 1, "deck '" << path << "': a run needs at least one rank");
+  Reader r = Reader::parse(path, text);
+  LayerDeck d;
+  d.path = path;
+  d.text = text;
+  // [simulate]: a deck for a simulated cluster is checked against its rank count.
+  bool const sim = r.has("simulate.ranks");
+  int const ranks = sim ? static_cast<int>(r.integer("simulate.ranks", 0, 1, 1 << 20)) : nranks;
+  d.simulate.ranks = sim ? ranks : 0;
+  parse_run(r, d);
+  parse_model(r, d);
+  parse_router(r, d);
+  parse_tokens(r, d, ranks);
+  parse_topology(r, d, ranks);
+  parse_placement(r, d, ranks);
+  parse_exchange(r, d);
+  parse_experts(r, d);
+  r.finish();
+  check_router(r, d, ranks);
+  return d;
+}
+
+std::string LayerDeck::resolved() const {
+  std::ostringstream os;
+  os.precision(9);  // floats (gates, rows, scales) parse back to the same values
+  os << "# resolved configuration of " << path << "\n";
+  os << "[run]\nsteps = " << run.steps << "\nwarmup = " << run.warmup << "\nseed = " << run.seed << "\nreport = " << quoted(run.report)
+     << "\nhdf5 = " << quoted(run.hdf5) << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(names_of_values(run.compare)) << "\n";
+  os << "\n[model]\nhidden = " << model.hidden << "\nexperts = " << model.experts << "\ntop_k = " << model.top_k << "\nffn = " << model.ffn
+     << "\nshared_experts = " << model.shared_experts << "\nshared_ffn = " << model.shared_ffn << "\ndtype = " << quoted(model.dtype)
+     << "\npayload = " << quoted(to_string(model.payload)) << "\nreturn_payload = " << quoted(to_string(model.return_payload)) << "\n";
+  os << "\n[router]\nscore = " << quoted(to_string(router.score)) << "\ngroups = " << router.num_groups << "\ntopk_groups = " << router.topk_groups
+     << "\ngroup_score = " << quoted(router.group_score == SetScore::top_m_sum ? "top" + std::to_string(router.group_top_m) + "_sum" : to_string(router.group_score))
+     << "\ndomain_limit = " << quoted(domain_limit) << "\nmax_domains = " << router.max_domains
+     << "\ndomain_score = " << quoted(router.domain_score == SetScore::top_m_sum ? "top" + std::to_string(router.domain_top_m) + "_sum" : to_string(router.domain_score))
+     << "\nnormalize = " << (router.normalize ? "true" : "false") << "\nroute_scale = " << router.route_scale
+     << "\ncorrection_bias = " << (router.use_correction_bias ? "true" : "false") << "\nbias_update = " << quoted(bias_update)
+     << "\nbias_gamma = " << bias_gamma << "\nadmission = "
+     << quoted(to_string(router.admission.policy))
+     << "\ncapacity_factor = " << router.admission.capacity_factor << "\ngemm = " << quoted(to_string(router_gemm)) << "\n";
+  os << "\n[tokens]\n";
+  if (tokens.source != "explicit") os << "per_rank = " << tokens.per_rank << "\n";
+  os << "source = " << quoted(tokens.source) << "\nzipf_s = " << tokens.zipf_s
+     << "\nhot_expert = " << tokens.hot_expert << "\nhot_fraction = " << tokens.hot_fraction << "\n";
+  for (auto const& rk : tokens.ranks) {
+    os << "[[tokens.rank]]\nhidden = [";
+    for (std::size_t t = 0; t < rk.hidden.size(); ++t) os << (t ? ", " : "") << toml_list_of(rk.hidden[t]);
+    os << "]\nroutes = [";
+    for (std::size_t i = 0; i < rk.routes.size(); ++i) {
+      auto const& r = rk.routes[i];
+      os << (i ? ", " : "") << "{token = " << r.token << ", k_slot = " << r.k_slot << ", expert = " << r.expert
+         << ", gate = " << r.gate << ", slot = " << r.slot << "}";
+    }
+    os << "]\n";
+  }
+  os << "\n[topology]\nlayout = " << quoted(to_string(topology.layout)) << "\n";
+  if (!topology.node_of_rank.empty())
+    os << "node_of_rank = " << toml_list(topology.node_of_rank) << "\n";
+  else if (topology.ranks_per_node > 0)
+    os << "ranks_per_node = " << topology.ranks_per_node << "\n";
+  os << "nics = " << quoted_list(topology.nics) << "\n";
+  if (!topology.synthetic.empty()) os << "synthetic = " << quoted(topology.synthetic) << "\n";
+  if (!topology.xml.empty()) os << "xml = " << quoted(topology.xml) << "\n";
+  os << "peer_order = " << toml_list(topology.peer_order) << "\nrelays_per_node = " << topology.relays_per_node
+     << "\nrelay_policy = " << quoted(to_string(topology.relay_policy)) << "\n";
+  os << "\n[placement]\npolicy = " << quoted(to_string(placement.policy)) << "\n";
+  if (is_eplb(placement.policy))
+    os << "physical_slots = " << placement.physical_slots << "\ngroups = " << placement.groups << "\nloads = " << toml_list_of(placement.loads)
+       << "\nload_file = " << quoted(placement.load_file) << "\n";
+  os << "replica_policy = " << quoted(to_string(placement.replica_policy)) << "\n";
+  for (auto const& s : placement.slots) os << "[[placement.slots]]\nexpert = " << s.expert << "\nrank = " << s.rank << "\n";
+  os << "\n[exchange]\nalgorithm = " << quoted(to_string(exchange.algorithm)) << "\ntransport = " << quoted(to_string(exchange.transport))
+     << "\nwatchdog_seconds = " << exchange.watchdog_seconds
+     << "\nwaves = " << exchange.waves << "\nsender_cf = " << exchange.sender_cf << "\nreceiver_cf = " << exchange.receiver_cf << "\n";
+  os << "\n[experts]\nrunner = " << quoted(to_string(experts.runner)) << "\ncapacity = " << experts.capacity << "\nalignment = " << experts.alignment
+     << "\nblock_size = " << experts.block_size << "\ngemm = " << quoted(to_string(experts.gemm)) << "\nweights = " << quoted(experts.weights)
+     << "\nsave_weights = " << quoted(experts.save_weights) << "\nscales = " << toml_list_of(experts.scales) << "\n";
+  if (simulate.ranks > 0) os << "\n[simulate]\nranks = " << simulate.ranks << "\n";
+  return os.str();
+}
+
+LayerDeck read_layer_deck(MPI_Comm comm, std::string const& path) {
+  int const rank = comm_rank(comm);
+  std::string text;
+  std::string problem;
+  if (rank == 0) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      problem = "cannot read deck '" + path + "': " + std::strerror(errno);
+    } else {
+      std::ostringstream os;
+      os << in.rdbuf();
+      text = os.str();
+    }
+  }
+  // Agree on the read before broadcasting, so a missing file fails everywhere.
+  agree(comm, problem, "reading the deck");
+  text = broadcast_string(comm, text, 0);
+  LayerDeck deck;
+  collective(comm, "parsing the deck", [&] { deck = parse_layer_deck(path, text, comm_size(comm)); });
+  return deck;
+}
+
+}  // namespace KokkosMoE

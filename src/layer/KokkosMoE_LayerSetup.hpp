@@ -1,0 +1,328 @@
+#ifndef KOKKOSMOE_LAYERSETUP_HPP
+#define KOKKOSMOE_LAYERSETUP_HPP
+
+/// \file KokkosMoE_LayerSetup.hpp
+/// \brief From a deck to the objects of a run: topology and communicator
+/// specs, the placement, the layer configuration, deterministic synthetic
+/// tokens (hidden rows and route tables that depend only on the seed, the
+/// step and the global token index, never on the rank count), router and
+/// expert weights. Used by the mini-apps and by the tests that compare a
+/// distributed run with a single-rank one.
+
+#include <KokkosMoE_Admission.hpp>
+#include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Deck.hpp>
+#include <KokkosMoE_Eplb.hpp>
+#include <KokkosMoE_Layer.hpp>
+#include <KokkosMoE_PlacementIO.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+namespace KokkosMoE {
+namespace Setup {
+
+/// \brief Counter-based uniform value in [0, 1) from four integers.
+inline double hash_uniform(std::uint64_t seed, std::uint64_t a, std::uint64_t b, std::uint64_t c) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ULL + a * 0xBF58476D1CE4E5B9ULL + b * 0x94D049BB133111EBULL + c + 0x632BE59BD9B4E019ULL;
+  for (int i = 0; i < 2; ++i) {
+    x ^= x >> 31;
+    x *= 0xD6E8FEB86659FD93ULL;
+    x ^= x >> 32;
+  }
+  return static_cast<double>(x >> 11) * (1.0 / 9007199254740992.0);
+}
+
+inline Topology::LayoutSpec layout_spec(LayerDeck const& d) {
+  Topology::LayoutSpec s;
+  s.kind = d.topology.layout;
+  s.ranks_per_node = d.topology.ranks_per_node;
+  s.node_of_rank = d.topology.node_of_rank;
+  s.nic_names = d.topology.nics;
+  s.synthetic = d.topology.synthetic;
+  s.xml_file = d.topology.xml;
+  return s;
+}
+
+inline Topology::CommSpec comm_spec(LayerDeck const& d) {
+  Topology::CommSpec s;
+  s.peer_order = d.topology.peer_order;
+  s.relays_per_node = d.topology.relays_per_node;
+  s.relay_policy = d.topology.relay_policy;
+  return s;
+}
+
+/// \brief The deck's placement on `ranks` ranks with the given node of every
+/// rank. Collective over comm only for EPLB loads read from a file.
+inline Placement make_placement(LayerDeck const& d, std::vector<int> const& node_of_rank, MPI_Comm comm) {
+  int const ranks = static_cast<int>(node_of_rank.size());
+  int const E = d.model.experts;
+  auto const& p = d.placement;
+  if (p.policy == PlacementPolicy::round_robin) return Placement::round_robin(E, ranks, node_of_rank);
+  if (p.policy == PlacementPolicy::contiguous) return Placement::contiguous(E, ranks, node_of_rank);
+  if (p.policy == PlacementPolicy::explicit_slots) {
+    std::vector<SlotInfo> slots;
+    for (auto const& s : p.slots) {
+      SlotInfo si;
+      si.expert = s.expert;
+      si.rank = s.rank;
+      slots.push_back(si);
+    }
+    return Placement(E, ranks, slots, node_of_rank);
+  }
+  std::vector<double> load = p.loads;
+  if (load.empty() && !p.load_file.empty()) {
+    auto const m = read_load_matrix(comm, p.load_file);
+    KOKKOSMOE_REQUIRE(!m.empty() && static_cast<int>(m[0].size()) == E,
+                      "load file '" << p.load_file << "' has " << (m.empty() ? 0 : m[0].size()) << " experts, the deck " << E);
+    load = m[0];
+  }
+  if (load.empty()) load.assign(static_cast<std::size_t>(E), 1.0);
+  PlacementSpec spec;
+  spec.policy = p.policy;
+  spec.physical_slots = p.physical_slots;
+  spec.groups = p.groups;
+  spec.nodes = *std::max_element(node_of_rank.begin(), node_of_rank.end()) + 1;
+  spec.ranks = ranks;
+  auto lp = eplb_layer(load, spec);
+  return lp.placement.with_nodes(node_of_rank);
+}
+
+/// \brief Tokens per rank of a deck (explicit decks: the largest rank's).
+inline index_t tokens_per_rank(LayerDeck const& d) {
+  if (d.tokens.source != "explicit") return d.tokens.per_rank;
+  index_t t = 0;
+  for (auto const& r : d.tokens.ranks) t = std::max<index_t>(t, static_cast<index_t>(r.hidden.size()));
+  return t;
+}
+
+/// \brief Exchange configuration of a deck: algorithm, transport, wire
+/// payloads, watchdog and the pooled-wave shape.
+inline Exchange::ExchangeConfig exchange_config(LayerDeck const& d) {
+  Exchange::ExchangeConfig c;
+  c.algorithm = d.exchange.algorithm;
+  c.transport = d.exchange.transport;
+  c.payload = d.model.payload;
+  c.return_payload = d.model.return_payload;
+  c.watchdog_seconds = d.exchange.watchdog_seconds;
+  c.waves = d.exchange.waves;
+  c.sender_cf = d.exchange.sender_cf;
+  c.receiver_cf = d.exchange.receiver_cf;
+  c.tokens_per_rank = tokens_per_rank(d);
+  c.top_k = d.model.top_k;
+  return c;
+}
+
+/// \brief Layer configuration of a deck on the given placement (domain maps
+/// and device maps come from the placement).
+inline LayerConfig layer_config(LayerDeck const& d, Placement const& placement) {
+  LayerConfig c;
+  c.hidden = d.model.hidden;
+  c.router = d.router;
+  if (d.domain_limit != "none") c.router.expert_domain = expert_domains(placement, d.domain_limit == "node");
+  if (c.router.admission.policy == AdmissionPolicy::device_capacity) {
+    c.router.admission.num_devices = placement.num_ranks();
+    c.router.admission.expert_device = expert_domains(placement, false);
+  }
+  c.router_gemm = d.router_gemm;
+  c.runner.kind = d.experts.runner;
+  c.runner.capacity = d.experts.capacity;
+  c.runner.alignment = d.experts.alignment;
+  c.runner.block_size = d.experts.block_size;
+  c.runner.gemm_path = d.experts.gemm;
+  c.shared_runner = c.runner;
+  if (c.shared_runner.kind == Experts::RunnerKind::scalar || c.shared_runner.kind == Experts::RunnerKind::padded ||
+      c.shared_runner.kind == Experts::RunnerKind::block)
+    c.shared_runner.kind = Experts::RunnerKind::grouped;
+  c.exchange = exchange_config(d);
+  c.replica_policy = d.placement.replica_policy;
+  return c;
+}
+
+/// \brief The distributed objects of a run: topology, communicator set,
+/// node of every rank, placement and layer configuration.
+struct Run {
+  Topology::Topology topology;
+  std::unique_ptr<Topology::CommunicatorSet> comms;
+  std::vector<int> node_of_rank;
+  Placement placement;
+  LayerConfig config;
+};
+
+/// \brief Collective over comm: discovers (or declares) the deck's topology,
+/// builds the communicator set, the placement and the layer configuration.
+/// Errors reach every rank.
+inline Run make_run(LayerDeck const& deck, MPI_Comm comm) {
+  Run run;
+  run.topology = Topology::Topology::discover(comm, layout_spec(deck));
+  run.comms = std::make_unique<Topology::CommunicatorSet>(comm, run.topology, comm_spec(deck));
+  for (int r = 0; r < run.topology.size(); ++r) run.node_of_rank.push_back(run.topology.node_of(r));
+  collective(comm, "placement and layer configuration", [&] {
+    run.placement = make_placement(deck, run.node_of_rank, comm);
+    run.config = layer_config(deck, run.placement);
+  });
+  return run;
+}
+
+/// \brief [E, d] router weight: element (e, c) = (2u - 1) / sqrt(d), u from (seed, e, c).
+template <class T, class MS>
+RowMatrix<T, MS> router_weight(LayerDeck const& d) {
+  int const E = d.model.experts, D = d.model.hidden;
+  RowMatrix<T, MS> w("KokkosMoE::Setup::router_weight", E, D);
+  auto h = Kokkos::create_mirror_view(w);
+  double const scale = 1.0 / std::sqrt(static_cast<double>(D));
+  for (int e = 0; e < E; ++e)
+    for (int c = 0; c < D; ++c)
+      h(e, c) = from_float<T>(static_cast<float>((2.0 * hash_uniform(d.run.seed, 0x5254u, static_cast<std::uint64_t>(e), static_cast<std::uint64_t>(c)) - 1.0) * scale));
+  Kokkos::deep_copy(w, h);
+  return w;
+}
+
+/// \brief Routed expert weights of `rank`'s slots (random from the seed,
+/// loaded from the deck's HDF5 file, or scalar test experts).
+template <class T, class MS, class Exec>
+Experts::ExpertWeights<T, MS> routed_weights(Exec const& exec, LayerDeck const& d, Placement const& placement, int rank, MPI_Comm comm) {
+  std::vector<int> slot_expert;
+  for (int s : placement.slots_of_rank(rank)) slot_expert.push_back(placement.slot(s).expert);
+  if (d.experts.runner == Experts::RunnerKind::scalar)
+    return Experts::ExpertWeights<T, MS>::scalar("KokkosMoE::routed", slot_expert, d.model.hidden, d.experts.scales);
+  Experts::ExpertWeights<T, MS> w("KokkosMoE::routed", slot_expert, d.model.hidden, d.model.ffn);
+  if (d.experts.weights.empty())
+    w.randomize(exec, d.run.seed);
+  else
+    w.load(comm, d.experts.weights);
+  if (!d.experts.save_weights.empty()) w.save(comm, d.experts.save_weights, d.model.experts);
+  return w;
+}
+
+/// \brief Shared expert weights (ids E, E+1, ... so they differ from routed ones).
+template <class T, class MS, class Exec>
+std::optional<Experts::ExpertWeights<T, MS>> shared_weights(Exec const& exec, LayerDeck const& d) {
+  if (d.model.shared_experts == 0) return {};
+  std::vector<int> ids;
+  for (int s = 0; s < d.model.shared_experts; ++s) ids.push_back(d.model.experts + s);
+  Experts::ExpertWeights<T, MS> w("KokkosMoE::shared", ids, d.model.hidden, d.model.shared_ffn);
+  w.randomize(exec, d.run.seed ^ 0x5348415245ULL);
+  return w;
+}
+
+/// \brief Global index of this rank's first token (ranks own tokens_per_rank
+/// tokens each, in rank order).
+inline index_t first_token(LayerDeck const& d, int rank) { return static_cast<index_t>(rank) * tokens_per_rank(d); }
+
+/// \brief Hidden rows of `count` tokens starting at global token `first` for
+/// a step: element (t, c) = 2u - 1 from (seed, step, token, c); explicit
+/// decks give the rows of `rank`.
+template <class T, class MS>
+RowMatrix<T, MS> hidden_rows(LayerDeck const& d, int step, index_t first, index_t count, int rank) {
+  int const D = d.model.hidden;
+  if (d.tokens.source == "explicit") {
+    auto const& rows = d.tokens.ranks.at(static_cast<std::size_t>(rank)).hidden;
+    RowMatrix<T, MS> m("KokkosMoE::Setup::hidden", rows.size(), D);
+    auto h = Kokkos::create_mirror_view(m);
+    for (std::size_t t = 0; t < rows.size(); ++t)
+      for (int c = 0; c < D; ++c) h(t, c) = from_float<T>(rows[t][static_cast<std::size_t>(c)]);
+    Kokkos::deep_copy(m, h);
+    return m;
+  }
+  RowMatrix<T, MS> m("KokkosMoE::Setup::hidden", count, D);
+  auto h = Kokkos::create_mirror_view(m);
+  for (index_t t = 0; t < count; ++t)
+    for (int c = 0; c < D; ++c)
+      h(t, c) = from_float<T>(static_cast<float>(2.0 * hash_uniform(d.run.seed, static_cast<std::uint64_t>(step) + 1,
+                                                                    static_cast<std::uint64_t>(first + t), static_cast<std::uint64_t>(c)) - 1.0));
+  Kokkos::deep_copy(m, h);
+  return m;
+}
+
+/// \brief A route table drawn from the deck's token distribution (uniform,
+/// zipf, hot) or its explicit routes, for `count` tokens from global token
+/// `first` at a step; admission per the deck's router settings. Explicit
+/// physical slots go to explicit_slot (empty when the deck gives none).
+template <class MS, class Exec>
+RouteTable<MS> sampled_routes(Exec const& exec, LayerDeck const& d, LayerConfig const& config, int step, index_t first,
+                              index_t count, int rank, Kokkos::View<int**, Kokkos::LayoutRight, MS>& explicit_slot) {
+  int const E = d.model.experts, k = d.model.top_k;
+  bool const expl = d.tokens.source == "explicit";
+  index_t const T = expl ? static_cast<index_t>(d.tokens.ranks.at(static_cast<std::size_t>(rank)).hidden.size()) : count;
+  RouteTable<MS> table("KokkosMoE::Setup::routes", T, k, E);
+  auto he = Kokkos::create_mirror_view(table.expert);
+  auto hg = Kokkos::create_mirror_view(table.gate);
+  auto ha = Kokkos::create_mirror_view(table.accepted);
+  explicit_slot = {};
+  if (expl) {
+    auto const& routes = d.tokens.ranks.at(static_cast<std::size_t>(rank)).routes;
+    bool slots = !routes.empty();
+    for (auto const& r : routes) slots = slots && r.slot >= 0;
+    Kokkos::View<int**, Kokkos::LayoutRight, MS> es;
+    if (slots) es = Kokkos::View<int**, Kokkos::LayoutRight, MS>("KokkosMoE::Setup::explicit_slot", T, k);
+    auto hs = Kokkos::create_mirror_view(es);
+    for (auto const& r : routes) {
+      he(r.token, r.k_slot) = r.expert;
+      hg(r.token, r.k_slot) = r.gate;
+      ha(r.token, r.k_slot) = 1;
+      if (slots) hs(r.token, r.k_slot) = r.slot;
+    }
+    if (slots) {
+      Kokkos::deep_copy(es, hs);
+      explicit_slot = es;
+    }
+  } else {
+    // Zipf: probability of expert perm[i] proportional to 1 / (i + 1)^s,
+    // perm a seeded permutation so the hot experts are spread over ranks.
+    std::vector<int> perm(static_cast<std::size_t>(E));
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int i = E - 1; i > 0; --i)
+      std::swap(perm[static_cast<std::size_t>(i)],
+                perm[static_cast<std::size_t>(hash_uniform(d.run.seed, 0x5A49u, static_cast<std::uint64_t>(i), 0) * (i + 1))]);
+    std::vector<double> cdf(static_cast<std::size_t>(E));
+    double acc = 0;
+    for (int i = 0; i < E; ++i) cdf[static_cast<std::size_t>(i)] = (acc += 1.0 / std::pow(i + 1.0, d.tokens.zipf_s));
+    for (auto& c : cdf) c /= acc;
+    std::vector<char> used(static_cast<std::size_t>(E));
+    for (index_t t = 0; t < T; ++t) {
+      std::fill(used.begin(), used.end(), 0);
+      std::uint64_t const g = static_cast<std::uint64_t>(first + t);
+      double gsum = 0;
+      for (int j = 0; j < k; ++j) {
+        int e = -1;
+        for (int attempt = 0; attempt < 64 && e < 0; ++attempt) {
+          double const u = hash_uniform(d.run.seed, static_cast<std::uint64_t>(step) + 1, g, static_cast<std::uint64_t>(j * 64 + attempt));
+          int cand;
+          if (d.tokens.source == "zipf") {
+            cand = perm[static_cast<std::size_t>(std::lower_bound(cdf.begin(), cdf.end(), u) - cdf.begin())];
+          } else if (d.tokens.source == "hot" && j == 0 &&
+                     hash_uniform(d.run.seed, 0x484Fu, g, static_cast<std::uint64_t>(step)) < d.tokens.hot_fraction) {
+            cand = d.tokens.hot_expert;
+          } else {
+            cand = std::min(E - 1, static_cast<int>(u * E));
+          }
+          if (!used[static_cast<std::size_t>(cand)]) e = cand;
+        }
+        for (int x = 0; e < 0; ++x)  // rare: fall back to the lowest unused id
+          if (!used[static_cast<std::size_t>(x)]) e = x;
+        used[static_cast<std::size_t>(e)] = 1;
+        he(t, j) = e;
+        double const w = 0.25 + hash_uniform(d.run.seed, 0x4741u + static_cast<std::uint64_t>(step), g, static_cast<std::uint64_t>(j));
+        hg(t, j) = static_cast<float>(w);
+        gsum += w;
+        ha(t, j) = 1;
+      }
+      for (int j = 0; j < k; ++j) hg(t, j) = static_cast<float>(hg(t, j) / gsum);
+    }
+  }
+  Kokkos::deep_copy(table.expert, he);
+  Kokkos::deep_copy(table.gate, hg);
+  Kokkos::deep_copy(table.accepted, ha);
+  // Admission with the gate as priority (the router's policy and capacity).
+  admit(exec, config.router.admission, table);
+  return table;
+}
+
+}  // namespace Setup
+}  // namespace KokkosMoE
+
+#endif
