@@ -20,8 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STAGES = ["router", "route_plan", "pack", "dispatch", "experts", "combine_exchange", "exchange", "combine",
-          "shared_experts", "statistics", "other"]
+STAGES = ["router", "route_plan", "dispatch", "experts", "combine_exchange", "combine", "shared_experts", "statistics",
+          "other"]
 CLASSES = ["same_rank", "intra_node", "inter_node"]
 
 

@@ -55,6 +55,54 @@ TEST_CASE("no error: the region returns normally on every rank", "[collective]")
   CHECK(calls == 1);
 }
 
+TEST_CASE("agree: problems of several ranks, none, and a rank that never arrives", "[collective]") {
+  int const rank = kmoe_test::world_rank();
+  int const size = kmoe_test::world_size();
+  REQUIRE_NOTHROW(agree(MPI_COMM_WORLD, "", "nothing wrong", 5.0));
+  CHECK(problem_of([] {}).empty());
+  CHECK(problem_of([] { KOKKOSMOE_THROW("bad " << 3); }).find("bad 3") != std::string::npos);
+  try {
+    agree(MPI_COMM_WORLD, rank == size - 1 ? "last rank's problem" : "", "agreement test", 5.0);
+    FAIL("no error raised");
+  } catch (CollectiveError const& e) {
+    CHECK(e.origin_rank() == size - 1);
+    CHECK(e.failed_ranks() == 1);
+    CHECK(e.origin_message() == "last rank's problem");
+    CHECK(std::string(e.what()).find("agreement test failed on rank " + std::to_string(size - 1)) != std::string::npos);
+  }
+  if (size < 2) return;
+  // Rank 0 never enters: the others report it within the watchdog instead
+  // of waiting forever, naming the region and the communicator.
+  MPI_Comm dup;
+  MPI_Comm_dup(MPI_COMM_WORLD, &dup);
+  MPI_Comm_set_name(dup, "kmoe-test-agree");
+  if (rank != 0) {
+    bool caught = false;
+    try {
+      agree(dup, "", "step 7 agreement", 0.5);
+    } catch (CollectiveError const&) {
+      FAIL("a collective error without the missing rank");
+    } catch (Error const& e) {
+      caught = true;
+      std::string const what = e.what();
+      CHECK(what.find("step 7 agreement") != std::string::npos);
+      CHECK(what.find("kmoe-test-agree") != std::string::npos);
+      CHECK(what.find("did not enter this call") != std::string::npos);
+    }
+    CHECK(caught);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  // The abandoned reduction still completes once rank 0 joins, so the
+  // communicator can be freed without leaving a request behind.
+  if (rank == 0) {
+    int mine = size, lowest = 0;
+    MPI_Request req;
+    MPI_Iallreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, dup, &req);
+    MPI_Wait(&req, MPI_STATUS_IGNORE);
+  }
+  MPI_Comm_free(&dup);
+}
+
 TEST_CASE("checked MPI calls name the call and the communicator", "[collective][mpi]") {
   MPI_Comm dup;
   MPI_Comm_dup(MPI_COMM_WORLD, &dup);

@@ -295,14 +295,19 @@ TEST_CASE("pooled-wave shapes and drop rates of the pooled_wave fixture", "[exch
   auto const fx = fixture("pooled_wave.json");
   auto const& in = fx.at("inputs");
   auto const& ex = fx.at("expected");
-  PooledWaveConfig c;
-  c.waves = in.at("waves").get<int>();
-  c.sender_cf = in.at("sender_cf").get<double>();
-  c.receiver_cf = in.at("receiver_cf").get<double>();
-  c.tokens_per_rank = in.at("tokens_per_rank").get<index_t>();
-  c.top_k = in.at("top_k").get<int>();
-  c.local_experts = in.at("local_experts").get<int>();
+  // The shape as an exchange derives it from its configuration and placement.
+  ExchangeConfig xc;
+  xc.waves = in.at("waves").get<int>();
+  xc.sender_cf = in.at("sender_cf").get<double>();
+  xc.receiver_cf = in.at("receiver_cf").get<double>();
+  xc.tokens_per_rank = in.at("tokens_per_rank").get<index_t>();
+  xc.top_k = in.at("top_k").get<int>();
   int const ranks = in.at("ranks").get<int>();
+  int const local = in.at("local_experts").get<int>();
+  std::vector<SlotInfo> slots;
+  for (int e = 0; e < local * ranks; ++e) slots.push_back(SlotInfo{e, e / local, -1, 0, 0});
+  auto const c = pooled_wave_config(xc, Placement(local * ranks, ranks, slots));
+  CHECK(c.local_experts == local);
   auto const s = pooled_wave_shapes(c, ranks);
   CHECK(s.assignments == ex.at("assignments_per_rank").get<index_t>());
   CHECK(s.sender_pool_rows == ex.at("sender_pool_rows").get<index_t>());
@@ -323,18 +328,6 @@ TEST_CASE("pooled-wave shapes and drop rates of the pooled_wave fixture", "[exch
   CHECK(rates.total == Approx(dr.at("total_rate").get<double>()).margin(1e-9));
   CHECK(rates.conditional_receiver == Approx(dr.at("conditional_receiver_rate").get<double>()).margin(1e-6));
   CHECK_THROWS_WITH(pooled_wave_shapes(PooledWaveConfig{0, 1, 1, 4, 1, 1}, 2), Catch::Matchers::Contains("waves must be at least 1"));
-  // The one place the shape of an exchange on a placement is derived.
-  ExchangeConfig xc;
-  xc.waves = c.waves;
-  xc.sender_cf = c.sender_cf;
-  xc.receiver_cf = c.receiver_cf;
-  xc.tokens_per_rank = c.tokens_per_rank;
-  xc.top_k = c.top_k;
-  std::vector<SlotInfo> slots;
-  for (int e = 0; e < c.local_experts * ranks; ++e) slots.push_back(SlotInfo{e, e / c.local_experts, -1, 0, 0});
-  auto const derived = pooled_wave_config(xc, Placement(c.local_experts * ranks, ranks, slots));
-  CHECK(derived.local_experts == c.local_experts);
-  CHECK(pooled_wave_shapes(derived, ranks).sender_pool_rows == s.sender_pool_rows);
 }
 
 TEST_CASE("pooled-wave drops are exact on constructed overflows", "[exchange][pooled]") {

@@ -32,6 +32,7 @@
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Payload.hpp>
 #include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
 #include <KokkosMoE_Gemm.hpp>
 #include <impl/KokkosMoE_RouterSelect.hpp>
 
@@ -196,9 +197,8 @@ class Router {
                                                   << weight.extent(0) << "x" << weight.extent(1) << ", expected weight "
                                                   << config_.num_experts << "x" << hidden.extent(1));
     check_call(T, options);
-    if (logits_.extent(0) != static_cast<std::size_t>(T) || logits_.extent(1) != static_cast<std::size_t>(config_.num_experts))
-      logits_ = Mat<float>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Router::logits"), T,
-                           config_.num_experts);
+    logits_ = Mat<float>();  // the workspace reuses what nobody else holds
+    logits_ = work_.template matrix<float>(exec, "logits", T, static_cast<std::size_t>(config_.num_experts));
     {
       Compat::ScopedRegion region("KokkosMoE::Router::logits");
       gemm_path_ = gemm(exec, 'N', 'T', 1.0f, hidden, weight, 0.0f, logits_, options.gemm_path);
@@ -330,11 +330,10 @@ class Router {
   template <class ExecutionSpace>
   void ensure_work(ExecutionSpace const& exec, index_t T) {
     int const E = config_.num_experts, k = config_.top_k;
-    auto const t = static_cast<std::size_t>(T);
-    if (scores_.extent(0) != t || scores_.extent(1) != static_cast<std::size_t>(E))
-      scores_ = Mat<float>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Router::scores"), T, E);
-    if (affinity_.extent(0) != t || affinity_.extent(1) != static_cast<std::size_t>(k))
-      affinity_ = Mat<float>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Router::affinity"), T, k);
+    scores_ = Mat<float>();
+    affinity_ = Mat<float>();
+    scores_ = work_.template matrix<float>(exec, "scores", T, static_cast<std::size_t>(E));
+    affinity_ = work_.template matrix<float>(exec, "affinity", T, static_cast<std::size_t>(k));
     int sets = 0, keep = 0;
     if (config_.group_limited()) {
       sets = config_.num_groups;
@@ -343,10 +342,10 @@ class Router {
       sets = config_.num_domains();
       keep = config_.max_domains;
     }
-    if (sets > 0 && (set_scores_.extent(0) != t || set_scores_.extent(1) != static_cast<std::size_t>(sets)))
-      set_scores_ = Mat<float>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Router::set_scores"), T, sets);
-    if (keep > 0 && (kept_.extent(0) != t || kept_.extent(1) != static_cast<std::size_t>(keep)))
-      kept_ = Mat<int>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Router::kept"), T, keep);
+    set_scores_ = Mat<float>();
+    kept_ = Mat<int>();
+    if (sets > 0) set_scores_ = work_.template matrix<float>(exec, "set_scores", T, static_cast<std::size_t>(sets));
+    if (keep > 0) kept_ = work_.template matrix<int>(exec, "kept", T, static_cast<std::size_t>(keep));
   }
 
   RouterConfig config_;
@@ -354,6 +353,7 @@ class Router {
   Kokkos::View<int*, MemorySpace> domain_offsets_, domain_members_;
   Mat<float> logits_, scores_, affinity_, set_scores_;
   Mat<int> kept_;
+  Workspace<MemorySpace> work_{"KokkosMoE::Router"};
   GemmPath gemm_path_ = GemmPath::automatic;
 };
 

@@ -1,0 +1,213 @@
+// The core building blocks every library shares: the labelled workspace
+// (reuse only of buffers nobody holds), the row kit (every gather/scatter
+// conversion against a plain loop, missing rows, records), and the option
+// name tables (round trips of every enum, the error for an unknown name).
+
+#include "kmoe_catch.hpp"
+#include "kmoe_test_util.hpp"
+
+#include <KokkosMoE_Admission.hpp>
+#include <KokkosMoE_BiasController.hpp>
+#include <KokkosMoE_EnumNames.hpp>
+#include <KokkosMoE_Eplb.hpp>
+#include <KokkosMoE_Exchange_Config.hpp>
+#include <KokkosMoE_Exchange_Ledger.hpp>
+#include <KokkosMoE_Experts_Runner.hpp>
+#include <KokkosMoE_Gemm.hpp>
+#include <KokkosMoE_Migration.hpp>
+#include <KokkosMoE_PlacementRegistry.hpp>
+#include <KokkosMoE_Router.hpp>
+#include <KokkosMoE_RowKit.hpp>
+#include <KokkosMoE_Topology_Communicators.hpp>
+#include <KokkosMoE_Workspace.hpp>
+
+#include <cstring>
+#include <random>
+#include <set>
+
+using namespace KokkosMoE;
+using Exec = Kokkos::DefaultExecutionSpace;
+using MS = Exec::memory_space;
+
+TEST_CASE("workspace: buffers are reused only when nobody else holds them", "[core][workspace]") {
+  Exec exec;
+  Workspace<MS> ws("test");
+  auto a = ws.matrix<float>(exec, "rows", 10, 4);
+  float* const first = a.data();
+  CHECK(a.extent(0) == 10);
+  CHECK(a.extent(1) == 4);
+  // Held by `a`: the same label gives another allocation.
+  auto b = ws.matrix<float>(exec, "rows", 10, 4);
+  CHECK(b.data() != first);
+  // Released: the buffer comes back, smaller requests included.
+  a = {};
+  float* const second = b.data();
+  b = {};
+  auto c = ws.matrix<float>(exec, "rows", 6, 4);
+  CHECK(c.data() == second);
+  CHECK(c.extent(0) == 6);
+  c = {};
+  // Grow-only: a larger request reallocates, a smaller one reuses it after.
+  auto d = ws.matrix<float>(exec, "rows", 25, 4);
+  float* const grown = d.data();
+  d = {};
+  auto e = ws.matrix<float>(exec, "rows", 12, 4);
+  CHECK(e.data() == grown);
+  e = {};
+  // Another width or element type is another shape.
+  auto f = ws.matrix<float>(exec, "rows", 12, 5);
+  CHECK(f.extent(1) == 5);
+  auto g = ws.vector<index_t>(exec, "ids", 7);
+  CHECK(g.extent(0) == 7);
+  CHECK(ws.size() == 2);
+  CHECK_THROWS_WITH(ws.vector<int>(exec, "bad", -1), Catch::Matchers::Contains("negative extent"));
+}
+
+namespace {
+
+template <class T>
+RowMatrix<T, MS> random_rows(int n, int d, unsigned seed) {
+  RowMatrix<T, MS> m("rows", n, d);
+  auto h = Kokkos::create_mirror_view(m);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  for (int i = 0; i < n; ++i)
+    for (int c = 0; c < d; ++c) h(i, c) = from_float<T>(u(rng));
+  Kokkos::deep_copy(m, h);
+  return m;
+}
+
+template <class V>
+std::vector<float> host_floats(V const& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  std::vector<float> out;
+  for (std::size_t i = 0; i < h.extent(0); ++i)
+    for (std::size_t c = 0; c < h.extent(1); ++c) out.push_back(to_float(h(i, c)));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("row kit: gathers and scatters equal a plain loop for every conversion", "[core][rowkit]") {
+  Exec exec;
+  int const n = 37, d = 131;  // odd width: fp8 blocks and byte copies of odd length
+  auto src = random_rows<float>(n, d, 5);
+  auto const hs = host_floats(src);
+  Kokkos::View<index_t*, MS> index("index", n);
+  {
+    auto h = Kokkos::create_mirror_view(index);
+    for (int p = 0; p < n; ++p) h(p) = (p * 7 + 3) % n;  // a permutation
+    Kokkos::deep_copy(index, h);
+  }
+  for (PayloadType const t : {PayloadType::fp32, PayloadType::bf16, PayloadType::fp8_row, PayloadType::fp8_block128}) {
+    INFO(to_string(t));
+    // encode gather, then decode scatter through the same index: row p of
+    // the encoded buffer is source row index(p), and scattering it back puts
+    // every row where it came from.
+    PayloadBuffer<MS> wire("wire", t, d, n);
+    gather_rows(exec, src, index, wire, "test::encode");
+    RowMatrix<float, MS> back("back", n, d);
+    scatter_rows(exec, wire, index, back, "test::decode");
+    auto const hb = host_floats(back);
+    // Reference: the per-row codec, row by row.
+    PayloadBuffer<MS> one("one", t, d, 1);
+    auto hw = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), wire.bytes);
+    auto hi = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), index);
+    for (int p = 0; p < n; ++p) {
+      index_t const s = hi(p);
+      for (int c = 0; c < d; ++c) {
+        float const want = Impl::payload_load(t, &hw(p, 0), d, c);
+        REQUIRE(hb[static_cast<std::size_t>(s * d + c)] == want);
+        if (t == PayloadType::fp32) REQUIRE(want == hs[static_cast<std::size_t>(s * d + c)]);
+        if (t == PayloadType::bf16) REQUIRE(want == to_float(to_bf16(hs[static_cast<std::size_t>(s * d + c)])));
+      }
+    }
+    // Payload to payload: byte copies, scales with their rows.
+    PayloadBuffer<MS> moved("moved", t, d, n);
+    gather_rows(exec, wire, KOKKOS_LAMBDA(index_t p)->index_t { return p; }, moved, "test::copy");
+    auto hm = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), moved.bytes);
+    CHECK(std::memcmp(hm.data(), hw.data(), hw.size()) == 0);
+  }
+  // Typed to typed: bf16 rows round to nearest even, float to float is exact.
+  auto bf = random_rows<bf16_t>(n, d, 9);
+  RowMatrix<float, MS> wide("wide", n, d);
+  gather_rows(exec, bf, index, wide, "test::widen");
+  auto const hbf = host_floats(bf), hwide = host_floats(wide);
+  auto hi = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), index);
+  for (int p = 0; p < n; ++p)
+    for (int c = 0; c < d; ++c) REQUIRE(hwide[static_cast<std::size_t>(p * d + c)] == hbf[static_cast<std::size_t>(hi(p) * d + c)]);
+}
+
+TEST_CASE("row kit: missing rows are skipped or zeroed; records move whole", "[core][rowkit]") {
+  Exec exec;
+  int const n = 8, d = 5;
+  auto src = random_rows<float>(n, d, 11);
+  RowMatrix<float, MS> dst("dst", n, d);
+  Kokkos::deep_copy(dst, 7.0f);
+  auto odd_missing = KOKKOS_LAMBDA(index_t p)->index_t { return p % 2 ? -1 : p; };
+  gather_rows(exec, src, odd_missing, dst, "test::skip");
+  auto h = host_floats(dst);
+  auto hs = host_floats(src);
+  for (int p = 0; p < n; ++p)
+    for (int c = 0; c < d; ++c) CHECK(h[static_cast<std::size_t>(p * d + c)] == (p % 2 ? 7.0f : hs[static_cast<std::size_t>(p * d + c)]));
+  gather_rows(exec, src, odd_missing, dst, "test::zero", MissingRow::zero);
+  h = host_floats(dst);
+  for (int p = 1; p < n; p += 2)
+    for (int c = 0; c < d; ++c) CHECK(h[static_cast<std::size_t>(p * d + c)] == 0.0f);
+  Kokkos::View<RowMeta*, MS> meta("meta", n), out("out", n);
+  {
+    auto hm = Kokkos::create_mirror_view(meta);
+    for (int p = 0; p < n; ++p) hm(p) = RowMeta{p, 10 + p, 20 + p, 30 + p};
+    Kokkos::deep_copy(meta, hm);
+  }
+  gather_records(exec, meta, KOKKOS_LAMBDA(index_t p)->index_t { return n - 1 - p; }, out, "test::records");
+  auto ho = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
+  for (int p = 0; p < n; ++p) CHECK(ho(p).route == 30 + (n - 1 - p));
+  // Shapes are checked before any kernel runs.
+  PayloadBuffer<MS> narrow("narrow", PayloadType::fp32, d + 1, n);
+  CHECK_THROWS_WITH(gather_rows(exec, src, odd_missing, narrow, "test::bad"), Catch::Matchers::Contains("width 5 encoded into payload width 6"));
+  auto cols = Kokkos::subview(src, Kokkos::ALL, std::pair<int, int>(0, 2));
+  RowMatrix<float, MS> two("two", n, 2);
+  CHECK_THROWS_WITH(gather_rows(exec, cols, odd_missing, two, "test::strided"), Catch::Matchers::Contains("not contiguous"));
+}
+
+namespace {
+
+template <class E>
+void round_trip() {
+  auto const names = enum_names<E>();
+  CHECK(!names.empty());
+  std::set<std::string> unique(names.begin(), names.end());
+  CHECK(unique.size() == names.size());
+  for (auto const& n : names) CHECK(to_string(from_string<E>(n)) == n);
+}
+
+}  // namespace
+
+TEST_CASE("option names: one table per enum, round trips, clear errors", "[core][names]") {
+  round_trip<PayloadType>();
+  round_trip<GemmPath>();
+  round_trip<ScoreFunction>();
+  round_trip<SetScore>();
+  round_trip<AdmissionPolicy>();
+  round_trip<BiasUpdateRule>();
+  round_trip<ReplicaPolicy>();
+  round_trip<PlacementPolicy>();
+  round_trip<MigrationAction>();
+  round_trip<GenerationState>();
+  round_trip<Topology::LayoutKind>();
+  round_trip<Topology::RelayPolicy>();
+  round_trip<Exchange::Algorithm>();
+  round_trip<Exchange::TransportKind>();
+  round_trip<Exchange::LinkClass>();
+  round_trip<Experts::RunnerKind>();
+  round_trip<Experts::GroupedKernel>();
+  round_trip<Experts::WeightDType>();
+  CHECK(to_string(Topology::LayoutKind::virtual_nodes) == "virtual");
+  CHECK(to_string(PlacementPolicy::explicit_slots) == "explicit");
+  CHECK(to_string(GemmPath::automatic) == "auto");
+  CHECK(enum_names<Exchange::Algorithm>() == std::vector<std::string>{"flat", "hierarchical", "pooled_wave"});
+  CHECK_THROWS_WITH(from_string<Exchange::TransportKind>("ucx"),
+                    Catch::Matchers::StartsWith("KokkosMoE error: unknown exchange transport 'ucx' (expected 'mpi' or 'nccl')"));
+  CHECK(quoted_alternatives({"a", "b", "c"}) == "'a', 'b' or 'c'");
+}
