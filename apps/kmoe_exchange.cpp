@@ -46,6 +46,13 @@ struct Options {
   int reps = -1;
 };
 
+/// Rank 0 writes the report ("" writes none).
+void write_report(std::string const& path, json const& report) {
+  if (path.empty()) return;
+  write_text_file(path, report.dump(2) + "\n");
+  std::cout << "report: " << path << "\n";
+}
+
 /// Side-by-side ledger table: one column per variant.
 std::string side_by_side(std::vector<std::pair<std::string, Exchange::ByteLedger>> const& cols, bool with_time) {
   std::ostringstream os;
@@ -167,7 +174,9 @@ int simulate(LayerDeck const& deck, Options const& opt) {
   auto const pooled = plan(Exchange::Algorithm::pooled_wave, layout);
   cols.emplace_back("pooled_wave", Exchange::sum_ledgers(pooled));
   maxima.emplace_back("pooled_wave", Exchange::ledger_maxima(topo, pooled));
-  if (rank == 0) {
+  // Rank 0 prints and writes; a failure (the report's file) reaches every rank.
+  collective(MPI_COMM_WORLD, "writing the report", [&] {
+    if (rank != 0) return;
     std::cout << "simulated cluster: " << N << " ranks on " << topo.num_nodes() << " nodes (" << topo.min_ranks_per_node()
               << "+ ranks per node), " << T << " tokens per rank, top-" << d.model.top_k << ", " << d.model.experts
               << " experts in " << placement.num_slots() << " slots, " << to_string(d.model.payload) << " rows of "
@@ -195,17 +204,13 @@ int simulate(LayerDeck const& deck, Options const& opt) {
                                           {"node_inter_messages", m.node_inter_messages}, {"relay_inter_bytes", m.relay_inter_bytes},
                                           {"relay_rows", m.relay_rows},                   {"relay_rows_rank", m.relay_rows_rank}};
     }
-    std::string const path = opt.report.empty() ? d.run.report : opt.report;
-    if (!path.empty()) {
-      write_text_file(path, report.dump(2) + "\n");
-      std::cout << "report: " << path << "\n";
-    }
+    write_report(opt.report.empty() ? d.run.report : opt.report, report);
     std::cout << "PERFORMANCE mode=simulate ranks=" << N << " nodes=" << topo.num_nodes()
               << " flat_inter_node_bytes=" << cols.front().second.dispatch.inter_node_payload_bytes()
               << " flat_inter_node_messages=" << cols.front().second.dispatch.by_class(Exchange::LinkClass::inter_node).messages
               << " hier_inter_node_messages=" << cols[1].second.dispatch.by_class(Exchange::LinkClass::inter_node).messages
               << " pooled_drops=" << cols.back().second.dispatch.sender_drops + cols.back().second.dispatch.receiver_drops << std::endl;
-  }
+  });
   return 0;
 }
 
@@ -256,7 +261,8 @@ int run(LayerDeck const& deck, Options const& opt) {
   std::vector<std::pair<std::string, Exchange::ByteLedger>> cols;
   std::string stage_lines;
   bool planned_ok = true;
-  RowMatrix<float, MS> out("kmoe-exchange::out", T, deck.model.hidden);
+  // This rank's own rows (explicit decks give ranks different token counts).
+  RowMatrix<float, MS> out("kmoe-exchange::out", hidden.extent(0), deck.model.hidden);
   for (auto const& name : algorithms) {
     auto const algo = from_string<Exchange::Algorithm>(name);
     Exchange::ByteLedger best;
@@ -287,7 +293,9 @@ int run(LayerDeck const& deck, Options const& opt) {
     cols.emplace_back(name, best);
     stage_lines += stages(best, true);
   }
-  if (rank == 0) {
+  // Rank 0 prints and writes; a failure (the report's file) reaches every rank.
+  collective(MPI_COMM_WORLD, "writing the report", [&] {
+    if (rank != 0) return;
     std::cout << "exchange experiment: " << size << " ranks on " << topo.num_nodes() << " nodes over " << to_string(deck.exchange.transport)
               << ", " << T << " tokens per rank, top-"
               << deck.model.top_k << ", " << to_string(deck.model.payload) << " rows of "
@@ -302,11 +310,7 @@ int run(LayerDeck const& deck, Options const& opt) {
     report["resolved_deck"] = deck.resolved();
     report["planner_check"] = planned_ok;
     for (auto const& c : cols) report["ledgers"][c.first] = json::parse(c.second.to_json(0));
-    std::string const path = opt.report.empty() ? deck.run.report : opt.report;
-    if (!path.empty()) {
-      write_text_file(path, report.dump(2) + "\n");
-      std::cout << "report: " << path << "\n";
-    }
+    write_report(opt.report.empty() ? deck.run.report : opt.report, report);
     std::ostringstream p;
     p << "PERFORMANCE mode=mpi transport=" << to_string(deck.exchange.transport) << " ranks=" << size << " nodes=" << topo.num_nodes();
     for (auto const& c : cols) {
@@ -317,7 +321,7 @@ int run(LayerDeck const& deck, Options const& opt) {
     }
     p << " planner_check=" << (planned_ok ? "ok" : "mismatch");
     std::cout << p.str() << std::endl;
-  }
+  });
   return planned_ok ? 0 : 3;
 }
 

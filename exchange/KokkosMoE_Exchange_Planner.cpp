@@ -203,7 +203,9 @@ std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in) {
   auto const config = pooled_wave_config(in.config, in.placement);
   int const N = topo.size();
   auto const nor = nodes_of(topo);
-  auto const shapes = pooled_wave_shapes(config, N);
+  auto const shapes = pooled_wave_shapes(config, N, payload_row_bytes(in.config.payload, in.width),
+                                         payload_row_bytes(in.config.return_payload, in.width));
+  std::int64_t const H = shapes.header_rows;
   int const W = config.waves;
   int const L = config.local_experts;
   std::int64_t const Rs = shapes.sender_pool_rows, Rr = shapes.receiver_expert_rows;
@@ -256,12 +258,12 @@ std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in) {
                          : nor[static_cast<std::size_t>(g)] == nor[static_cast<std::size_t>(me)] ? LinkClass::intra_node
                                                                                                   : LinkClass::inter_node;
         st.padding_rows += Rs - useful[p];
-        st.header_rows += 1;
-        st.by_class[static_cast<int>(cls)].meta_bytes += l.row_bytes;
+        st.header_rows += H;
+        st.by_class[static_cast<int>(cls)].meta_bytes += H * l.row_bytes;
         if (useful[p] == 0) st.by_class[static_cast<int>(cls)].messages += 1;
         back.padding_rows += Rs - kept_from[p];
-        back.header_rows += 1;
-        back.by_class[static_cast<int>(cls)].meta_bytes += l.combine_row_bytes;
+        back.header_rows += H;
+        back.by_class[static_cast<int>(cls)].meta_bytes += H * l.combine_row_bytes;
         if (kept_from[p] == 0) back.by_class[static_cast<int>(cls)].messages += 1;
       }
       l.dispatch.stages.push_back(st);

@@ -3,8 +3,9 @@
 
 /// \file KokkosMoE_Exchange_PooledWave.hpp
 /// \brief Pooled-wave exchange: static shapes, no count collective. Each wave
-/// sends one pool per destination rank: one in-band header row carrying the
-/// packed local expert ids of the pool's rows, then pool_rows payload rows.
+/// sends one pool per destination rank: in-band header rows carrying the
+/// packed local expert ids of the pool's rows (as many rows as the ids need:
+/// one, but for the narrowest rows), then pool_rows payload rows.
 /// The i-th assignment (in stable route order) bound for a destination goes
 /// to wave i % W at pool row i / W; rows beyond a sender pool are sender
 /// drops (S). The receiver compacts each wave's rows per local expert into
@@ -43,6 +44,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
 
   /// \brief One wave, kept for its return.
   struct State {
+    PooledWaveShapes shapes;  ///< of this step's row width (header rows included)
     Kokkos::View<index_t**, Kokkos::LayoutRight, MS> pool_route;  ///< [P, Rs] route at (destination slot, pool row), or -1
     index_view position;    ///< [A] route's position among the routes to its destination
     index_view compact_of;  ///< [P * Rs] receiver: expert row of received pool row x, or -1 (empty or dropped)
@@ -63,7 +65,14 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
   }
 
   int waves() const { return shape_.waves; }
+  /// \brief Pool and receiver rows (one header row; see shapes_for).
   PooledWaveShapes const& shapes() const { return shapes_; }
+  /// \brief The shapes for rows of width d: the header takes as many rows of
+  /// the dispatch (and return) payload as the pool's packed ids (and flags) need.
+  PooledWaveShapes shapes_for(int d) const {
+    return pooled_wave_shapes(shape_, this->comms_->ep().size(), payload_row_bytes(this->config_.payload, d),
+                              payload_row_bytes(this->config_.return_payload, d));
+  }
   PooledWaveConfig const& shape() const { return shape_; }
 
   /// \brief Collective over the EP communicator: wave `wave` of the routes.
@@ -78,17 +87,18 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     auto h = this->template new_handle<T>(routes, plan, wave);
     agree(ep.comm(), problem_of([&] {
             this->check_dispatch(h, hidden, waves());
-            check_shape(routes, d);
+            check_shape(routes);
           }),
           "pooled-wave dispatch", this->config_.watchdog_seconds);
     Kokkos::Timer timer;
     h.ledger = this->new_ledger(d);
     State st;
+    st.shapes = shapes_for(d);
     std::int64_t const wave_routes = stripe(exec, st, routes, wave, h.ledger);
-    auto send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, pool_buffer_rows());
-    auto recv = payload_buffer(this->work_, exec, "recv", this->config_.payload, d, pool_buffer_rows());
+    auto send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, pool_buffer_rows(st));
+    auto recv = payload_buffer(this->work_, exec, "recv", this->config_.payload, d, pool_buffer_rows(st));
     build_pools(exec, st, routes, hidden, send);
-    std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), shapes_.pool_rows_with_header);
+    std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), st.shapes.pool_rows_with_header);
     this->transport_->alltoallv(exec, ep, {RowSet<MS>{send.bytes, recv.bytes}}, uniform, uniform, "pooled-wave dispatch rows",
                                 this->options());
     h.ledger.dispatch.stages.push_back(wave_stage(st, wave, send.row_bytes(), false));
@@ -118,10 +128,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     Kokkos::Timer timer;
     int const d = static_cast<int>(h.expert_rows.extent(1));
     this->set_combine_format(h.ledger, d);
-    auto back = payload_buffer(this->work_, exec, "back", this->config_.return_payload, d, pool_buffer_rows());
-    auto got = payload_buffer(this->work_, exec, "got", this->config_.return_payload, d, pool_buffer_rows());
+    auto back = payload_buffer(this->work_, exec, "back", this->config_.return_payload, d, pool_buffer_rows(*st));
+    auto got = payload_buffer(this->work_, exec, "got", this->config_.return_payload, d, pool_buffer_rows(*st));
     return_pools(exec, *st, expert_out, back);
-    std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), shapes_.pool_rows_with_header);
+    std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), st->shapes.pool_rows_with_header);
     this->transport_->alltoallv(exec, ep, {RowSet<MS>{back.bytes, got.bytes}}, uniform, uniform, "pooled-wave combine rows",
                                 this->options());
     h.ledger.combine.stages.push_back(wave_stage(*st, h.wave, back.row_bytes(), true));
@@ -137,14 +147,14 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
   // lambdas inside private member functions; they are not part of the
   // interface.
 
-  index_t pool_buffer_rows() const { return static_cast<index_t>(this->comms_->ep().size()) * shapes_.pool_rows_with_header; }
+  index_t pool_buffer_rows(State const& st) const {
+    return static_cast<index_t>(this->comms_->ep().size()) * st.shapes.pool_rows_with_header;
+  }
 
-  /// The static shape admits this rank's routes and rows.
-  void check_shape(RoutePlan<MS> const& routes, int d) const {
+  /// The static shape admits this rank's routes.
+  void check_shape(RoutePlan<MS> const& routes) const {
     int const me = this->me_;
     int const L = shape_.local_experts;
-    index_t const Rs = shapes_.sender_pool_rows;
-    std::int64_t const header_bytes = pooled_wave_header_bytes(Rs, L);
     KOKKOSMOE_REQUIRE(routes.num_tokens <= shape_.tokens_per_rank, "pooled-wave exchange: rank " << me << " has " << routes.num_tokens
                                                                                                  << " tokens, the static shape allows "
                                                                                                  << shape_.tokens_per_rank);
@@ -152,13 +162,6 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     KOKKOSMOE_REQUIRE(this->placement_.num_slots_of_rank(me) <= L, "pooled-wave exchange: rank " << me << " holds "
                                                                                                  << this->placement_.num_slots_of_rank(me)
                                                                                                  << " expert slots, the static shape allows " << L);
-    // Reading an id touches up to 3 bytes past its first one.
-    std::int64_t const row = payload_row_bytes(this->config_.payload, d);
-    KOKKOSMOE_REQUIRE(header_bytes + 2 <= row, "pooled-wave exchange: a header row of " << row << " bytes cannot hold " << Rs
-                                                                                        << " ids (" << header_bytes << " bytes needed)");
-    std::int64_t const back_row = payload_row_bytes(this->config_.return_payload, d);
-    KOKKOSMOE_REQUIRE((Rs + 7) / 8 <= back_row, "pooled-wave exchange: a return header of " << back_row << " bytes cannot flag " << Rs
-                                                                                            << " rows");
   }
 
   /// Sender side: the position of every route among the routes bound for its
@@ -167,7 +170,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
   std::int64_t stripe(Exec const& exec, State& st, RoutePlan<MS> const& routes, int wave, ByteLedger& ledger) {
     int const P = this->comms_->ep().size();
     int const W = shape_.waves;
-    index_t const Rs = shapes_.sender_pool_rows;
+    index_t const Rs = st.shapes.sender_pool_rows;
     index_t const A = routes.size();
     auto ep_slot = ep_slot_;
     auto dest = routes.dest_rank;
@@ -209,8 +212,9 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
   void build_pools(Exec const& exec, State const& st, RoutePlan<MS> const& routes, RowMatrix<T, MS> const& hidden,
                    PayloadBuffer<MS> const& send) {
     int const P = this->comms_->ep().size();
-    index_t const Rs = shapes_.sender_pool_rows;
-    index_t const pool = shapes_.pool_rows_with_header;
+    index_t const Rs = st.shapes.sender_pool_rows;
+    index_t const H = st.shapes.header_rows;
+    index_t const pool = st.shapes.pool_rows_with_header;
     int const L = shape_.local_experts;
     int const bits = pooled_wave_id_bits(L);
     auto sb = send.bytes;
@@ -243,8 +247,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     gather_rows(exec, hidden,
                 KOKKOS_LAMBDA(index_t r)->index_t {
                   index_t const j = r % pool;
-                  if (j == 0) return -1;
-                  index_t const a = pool_route(static_cast<int>(r / pool), j - 1);
+                  if (j < H) return -1;
+                  index_t const a = pool_route(static_cast<int>(r / pool), j - H);
                   return a >= 0 ? static_cast<index_t>(token(a)) : -1;
                 },
                 send, "KokkosMoE::PooledWave::pack");
@@ -255,7 +259,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
   StageLedger wave_stage(State const& st, int wave, std::int64_t row_bytes, bool back) const {
     auto const& ep = this->comms_->ep();
     int const P = ep.size();
-    index_t const Rs = shapes_.sender_pool_rows;
+    index_t const Rs = st.shapes.sender_pool_rows;
+    index_t const H = st.shapes.header_rows;
     int const me = this->me_;
     auto const& nor = this->node_of_rank_;
     std::vector<std::int64_t> useful(static_cast<std::size_t>(P), 0);
@@ -273,12 +278,12 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     add_sends(sl, useful, ep.peer_order(), me, nor, row_bytes, 0);
     for (int q = 0; q < P; ++q) {
       sl.padding_rows += Rs - useful[static_cast<std::size_t>(q)];
-      sl.header_rows += 1;
+      sl.header_rows += H;
       int const g = ep.global_rank(q);
       auto const c = g == me ? LinkClass::same_rank
                      : nor[static_cast<std::size_t>(g)] == nor[static_cast<std::size_t>(me)] ? LinkClass::intra_node
                                                                                               : LinkClass::inter_node;
-      sl.by_class[static_cast<int>(c)].meta_bytes += row_bytes;
+      sl.by_class[static_cast<int>(c)].meta_bytes += H * row_bytes;
       if (useful[static_cast<std::size_t>(q)] == 0) sl.by_class[static_cast<int>(c)].messages += 1;  // the pool moves even when empty
     }
     return sl;
@@ -293,9 +298,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     int const P = ep.size();
     int const L = shape_.local_experts;
     int const bits = pooled_wave_id_bits(L);
-    index_t const Rs = shapes_.sender_pool_rows;
-    index_t const Rr = shapes_.receiver_expert_rows;
-    index_t const pool = shapes_.pool_rows_with_header;
+    index_t const Rs = st.shapes.sender_pool_rows;
+    index_t const Rr = st.shapes.receiver_expert_rows;
+    index_t const H = st.shapes.header_rows;
+    index_t const pool = st.shapes.pool_rows_with_header;
     index_t const n_pool = static_cast<index_t>(P) * Rs;
     auto ekey = this->work_.template vector<int>(exec, "expert_key", n_pool);
     auto rb = recv.bytes;
@@ -334,7 +340,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           if (i >= Rr) return;
           index_t const c = offsets_d(q) + i;
           compact_of(x) = c;
-          source_of(c) = (x / Rs) * pool + 1 + (x % Rs);
+          source_of(c) = (x / Rs) * pool + H + (x % Rs);
         });
     // This rank's own slots (ids beyond them never arrive here).
     int const L_me = this->placement_.num_slots_of_rank(this->me_);
@@ -355,8 +361,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
   template <class T>
   void return_pools(Exec const& exec, State const& st, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& back) {
     int const P = this->comms_->ep().size();
-    index_t const Rs = shapes_.sender_pool_rows;
-    index_t const pool = shapes_.pool_rows_with_header;
+    index_t const Rs = st.shapes.sender_pool_rows;
+    index_t const pool = st.shapes.pool_rows_with_header;
     auto bb = back.bytes;
     zero_fill(exec, bb);
     index_t const flag_bytes = (Rs + 7) / 8;
@@ -370,7 +376,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
             index_t const j = byte * 8 + b;
             if (j < Rs && compact_of(s * Rs + j) >= 0) flags = static_cast<unsigned char>(flags | (1u << b));
           }
-          bb(s * pool, byte) = flags;
+          (&bb(s * pool, 0))[byte] = flags;  // the header spans the pool's first rows
         });
     scatter_rows(exec, expert_out, st.source_of, back, "KokkosMoE::PooledWave::return_rows");
   }
@@ -383,8 +389,9 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
                PayloadBuffer<MS> const& returned) {
     int const W = shape_.waves;
     int const wave = h.wave;
-    index_t const Rs = shapes_.sender_pool_rows;
-    index_t const pool = shapes_.pool_rows_with_header;
+    index_t const Rs = st.shapes.sender_pool_rows;
+    index_t const H = st.shapes.header_rows;
+    index_t const pool = st.shapes.pool_rows_with_header;
     auto gb = got.bytes;
     auto out = returned.bytes;
     std::int64_t const rb = got.row_bytes();
@@ -401,8 +408,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           index_t const j = i / W;
           int const q = ep_slot(dest(a));
           unsigned char* dst = &out(inv(a), 0);
-          if (j < Rs && ((gb(q * pool, j / 8) >> (j % 8)) & 1u) != 0) {
-            KokkosMoE::Impl::copy_row_bytes(team, &gb(q * pool + 1 + j, 0), dst, rb);
+          if (j < Rs && (((&gb(q * pool, 0))[j / 8] >> (j % 8)) & 1u) != 0) {
+            KokkosMoE::Impl::copy_row_bytes(team, &gb(q * pool + H + j, 0), dst, rb);
           } else {
             Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, static_cast<int>(rb)), [&](int b) { dst[b] = 0; });
           }

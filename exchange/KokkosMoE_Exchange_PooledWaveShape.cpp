@@ -9,9 +9,13 @@ namespace KokkosMoE {
 namespace Exchange {
 
 namespace {
-// ceil(x) for a product of decimal factors: a tiny relative tolerance keeps
-// exact integers (e.g. 1.0 * 8 / 2) from rounding up through binary error.
-index_t ceil_tolerant(double x) { return static_cast<index_t>(std::ceil(x * (1.0 - 1e-12))); }
+// ceil(x) for a product of decimal factors, at most `most`: a tiny relative
+// tolerance keeps exact integers (e.g. 1.0 * 8 / 2) from rounding up through
+// binary error; larger values saturate instead of overflowing index_t.
+index_t ceil_tolerant(double x, index_t most) {
+  double const c = std::ceil(x * (1.0 - 1e-12));
+  return c >= static_cast<double>(most) ? most : static_cast<index_t>(c);
+}
 }  // namespace
 
 PooledWaveConfig pooled_wave_config(ExchangeConfig const& config, Placement const& placement) {
@@ -27,19 +31,28 @@ PooledWaveConfig pooled_wave_config(ExchangeConfig const& config, Placement cons
   return pc;
 }
 
-PooledWaveShapes pooled_wave_shapes(PooledWaveConfig const& c, int ranks) {
+PooledWaveShapes pooled_wave_shapes(PooledWaveConfig const& c, int ranks, std::int64_t dispatch_row_bytes,
+                                    std::int64_t return_row_bytes) {
   KOKKOSMOE_REQUIRE(c.waves >= 1, "pooled-wave: waves must be at least 1 (got " << c.waves << ")");
-  KOKKOSMOE_REQUIRE(c.sender_cf > 0 && c.receiver_cf > 0, "pooled-wave: capacity factors must be positive (sender "
-                                                              << c.sender_cf << ", receiver " << c.receiver_cf << ")");
+  KOKKOSMOE_REQUIRE(c.sender_cf > 0 && c.receiver_cf > 0 && std::isfinite(c.sender_cf) && std::isfinite(c.receiver_cf),
+                    "pooled-wave: capacity factors must be positive and finite (sender " << c.sender_cf << ", receiver "
+                                                                                          << c.receiver_cf << ")");
   KOKKOSMOE_REQUIRE(c.tokens_per_rank >= 0 && c.top_k >= 1 && c.local_experts >= 1 && ranks >= 1,
                     "pooled-wave: tokens_per_rank " << c.tokens_per_rank << ", top_k " << c.top_k << ", local experts "
                                                     << c.local_experts << ", ranks " << ranks);
   PooledWaveShapes s;
   s.assignments = c.tokens_per_rank * c.top_k;
   double const A = static_cast<double>(s.assignments);
-  s.sender_pool_rows = ceil_tolerant(c.sender_cf * A / ranks / c.waves);
-  s.receiver_expert_rows = ceil_tolerant(c.receiver_cf * A / c.local_experts / c.waves);
-  s.pool_rows_with_header = s.sender_pool_rows + 1;
+  s.sender_pool_rows = ceil_tolerant(c.sender_cf * A / ranks / c.waves, s.assignments);
+  s.receiver_expert_rows = ceil_tolerant(c.receiver_cf * A / c.local_experts / c.waves, static_cast<index_t>(ranks) * s.sender_pool_rows);
+  if (dispatch_row_bytes > 0 && return_row_bytes > 0) {
+    // Reading an id touches up to 3 bytes from its first one.
+    std::int64_t const ids = pooled_wave_header_bytes(s.sender_pool_rows, c.local_experts) + 2;
+    std::int64_t const flags = (s.sender_pool_rows + 7) / 8;
+    s.header_rows = std::max<std::int64_t>({1, (ids + dispatch_row_bytes - 1) / dispatch_row_bytes,
+                                            (flags + return_row_bytes - 1) / return_row_bytes});
+  }
+  s.pool_rows_with_header = s.sender_pool_rows + s.header_rows;
   return s;
 }
 

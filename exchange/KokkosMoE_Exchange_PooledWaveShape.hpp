@@ -34,13 +34,20 @@ PooledWaveConfig pooled_wave_config(ExchangeConfig const& config, Placement cons
 /// \brief The static shapes derived from a configuration.
 struct PooledWaveShapes {
   index_t assignments = 0;           ///< A = tokens_per_rank * top_k
-  index_t sender_pool_rows = 0;      ///< ceil(sender_cf * A / P / W)
-  index_t receiver_expert_rows = 0;  ///< ceil(receiver_cf * A / L / W)
-  index_t pool_rows_with_header = 0;
+  index_t sender_pool_rows = 0;      ///< Rs = ceil(sender_cf * A / P / W), at most A
+  index_t receiver_expert_rows = 0;  ///< Rr = ceil(receiver_cf * A / L / W), at most P * Rs
+  index_t header_rows = 1;           ///< H: rows of a pool's in-band header (packed ids; return: flags)
+  index_t pool_rows_with_header = 0; ///< H + Rs
 };
 
-/// \brief Shapes for P ranks; throws Error for non-positive sizes or factors.
-PooledWaveShapes pooled_wave_shapes(PooledWaveConfig const& c, int ranks);
+/// \brief Shapes for P ranks; throws Error for non-positive or non-finite
+/// sizes or factors. Factors beyond what any routing can use saturate (a
+/// sender never has more than A routes for a destination, a receiver never
+/// gets more than P * Rs rows of one wave), so no factor overflows a shape.
+/// With the row bytes of the dispatch and return payloads, the header takes
+/// as many rows as its ids (and flags) need; without them one row.
+PooledWaveShapes pooled_wave_shapes(PooledWaveConfig const& c, int ranks, std::int64_t dispatch_row_bytes = 0,
+                                    std::int64_t return_row_bytes = 0);
 
 /// \brief Bits per packed local expert id: enough for 0..L, where L marks an
 /// empty pool row.

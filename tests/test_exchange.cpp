@@ -622,3 +622,56 @@ TEST_CASE("simulated clusters: 1024 ranks on 128 nodes, one relay vs rail relays
   auto const m8 = ledger_maxima(topo, plan(Algorithm::hierarchical, L8));
   CHECK(m1.relay_rows > m8.relay_rows);  // rails spread the relay work
 }
+
+TEST_CASE("pooled-wave: narrow rows take several header rows; huge factors saturate; outputs equal the flat exchange", "[exchange][pooled]") {
+  int const size = world_size();
+  int const rank = world_rank();
+  auto topo = nodes_of(size % 2 == 0 ? std::max(1, size / 2) : size);
+  auto const nor = nodes_vector(topo);
+  int const experts = 3 * size;
+  Placement placement = Placement::round_robin(experts, size, nor);
+  std::vector<float> scale;
+  for (int e = 0; e < experts; ++e) scale.push_back(0.5f + 0.25f * e);
+  std::mt19937 rng(77u + static_cast<unsigned>(rank));
+  int tokens = 0;
+  auto routes = random_routes(Dist::uniform, rank, size, experts, 2, rng, tokens);
+  RowMatrix<float, MS> hidden("hidden", tokens, 1);  // 4-byte rows: a pool's ids need several
+  {
+    auto h = Kokkos::create_mirror_view(hidden);
+    for (int t = 0; t < tokens; ++t) h(t, 0) = 0.25f * t - 1.0f + rank;
+    Kokkos::deep_copy(hidden, h);
+  }
+  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  auto c = exchange_config(PayloadType::fp32);
+  c.tokens_per_rank = 16;
+  c.top_k = 2;
+  c.waves = 2;
+  FlatExchange<> flat(comms, placement, c);
+  auto const rf = run_step(flat, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+  for (double cf : {4.0 * size, 1e19, 1e300}) {
+    INFO("capacity factors " << cf);
+    c.sender_cf = cf;
+    c.receiver_cf = cf;
+    PooledWaveExchange<> pooled(comms, placement, c);
+    auto const sh = pooled.shapes_for(1);
+    CHECK(sh.header_rows > 1);
+    CHECK(sh.sender_pool_rows <= 16 * 2);  // never more than a rank's routes
+    CHECK(sh.receiver_expert_rows <= size * sh.sender_pool_rows);
+    auto const rp = run_step(pooled, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+    auto const of = to_host_vector(rf.out), op = to_host_vector(rp.out);
+    REQUIRE(of.size() == op.size());
+    CHECK(std::memcmp(of.data(), op.data(), of.size() * sizeof(float)) == 0);
+    auto const total = rp.ledger.reduced(MPI_COMM_WORLD);
+    CHECK(total.dispatch.sender_drops + total.dispatch.receiver_drops == 0);
+    CHECK(total.dispatch.stages.at(0).header_rows == size * size * sh.header_rows);  // every rank sends P pools
+    // The planner agrees, header rows included.
+    Exec exec;
+    auto rp_plan = make_route_plan(exec, make_table(routes, experts), make_device_placement<MS>(placement),
+                                   make_replica_choice<MS>(placement, rank, nor[rank]), rank);
+    auto const rr = allgather_routes(MPI_COMM_WORLD, rp_plan);
+    auto cp = c;
+    cp.algorithm = Algorithm::pooled_wave;
+    auto const planned = plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, cp, 1});
+    CHECK(untimed(rp.ledger) == untimed(planned[static_cast<std::size_t>(rank)]));
+  }
+}

@@ -565,3 +565,32 @@ TEST_CASE("host row kernel: the sequential FP32 sum, rounded once to bf16", "[pe
     }
   }
 }
+
+TEST_CASE("explicit slots per route: a route without one takes the replica policy's, the others keep theirs", "[permutation][routes]") {
+  Exec exec;
+  // Expert 0 on rank 0 (slot 0) and rank 1 (slot 2); expert 1 on rank 1 (slot 1).
+  std::vector<SlotInfo> slots = {SlotInfo{0, 0, -1, 0, 0}, SlotInfo{1, 1, -1, 0, 0}, SlotInfo{0, 1, -1, 0, 0}};
+  Placement placement(2, 2, slots, {0, 1});
+  HostRoutes h;
+  h.tokens = 3;
+  h.k = 1;
+  h.expert = {0, 0, 1};
+  h.gate = {1.0f, 1.0f, 1.0f};
+  auto table = make_table(h, 2);
+  Kokkos::View<int**, Kokkos::LayoutRight, MS> explicit_slot("explicit", 3, 1);
+  auto hs = Kokkos::create_mirror_view(explicit_slot);
+  hs(0, 0) = 2;   // pinned to the copy on rank 1
+  hs(1, 0) = -1;  // the locality policy's copy: rank 0's own
+  hs(2, 0) = -1;
+  Kokkos::deep_copy(explicit_slot, hs);
+  auto rp = make_route_plan(exec, table, make_device_placement<MS>(placement), make_replica_choice<MS>(placement, 0, 0), 0, 0,
+                            explicit_slot);
+  CHECK(to_host_vector(rp.slot) == std::vector<int>{2, 0, 1});
+  CHECK(to_host_vector(rp.dest_rank) == std::vector<int>{1, 0, 1});
+  // A given slot that does not hold the route's expert is still an error.
+  hs(2, 0) = 0;
+  Kokkos::deep_copy(explicit_slot, hs);
+  CHECK_THROWS_WITH(make_route_plan(exec, table, make_device_placement<MS>(placement), make_replica_choice<MS>(placement, 0, 0), 0, 0,
+                                    explicit_slot),
+                    Catch::Matchers::Contains("(explicit slot 0)"));
+}

@@ -1050,3 +1050,32 @@ TEST_CASE("expert domains from a placement", "[router][placement]") {
   Placement rep(4, 2, slots);
   CHECK_THROWS_WITH(expert_domains(rep, false), Catch::Matchers::Contains("expert 0 has copies on ranks 0 and 1"));
 }
+
+TEST_CASE("admission: a huge capacity factor admits every route (the capacity saturates, never wraps)", "[router][admission]") {
+  int const T = 40, k = 2, E = 4;
+  for (AdmissionPolicy policy : {AdmissionPolicy::expert_capacity, AdmissionPolicy::device_capacity}) {
+    for (double cf : {1e6, 1e19, 1e300}) {
+      INFO(to_string(policy) << " cf " << cf);
+      RouteTable<Mem> table("t", T, k, E);
+      auto he = Kokkos::create_mirror_view(table.expert);
+      auto hg = Kokkos::create_mirror_view(table.gate);
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < k; ++j) {
+          he(t, j) = (j == 0 ? 0 : 1 + t % 3);  // expert 0 is hot: every token's first route
+          hg(t, j) = 0.5f;
+        }
+      Kokkos::deep_copy(table.expert, he);
+      Kokkos::deep_copy(table.gate, hg);
+      Kokkos::deep_copy(table.accepted, 1);
+      AdmissionConfig c;
+      c.policy = policy;
+      c.capacity_factor = cf;
+      c.num_devices = 2;
+      c.expert_device = {0, 0, 1, 1};
+      auto const stats = admit(c, table);
+      CHECK(table.counts.dropped == 0);
+      CHECK(table.counts.accepted == T * k);
+      CHECK(stats.capacity >= 0);
+    }
+  }
+}

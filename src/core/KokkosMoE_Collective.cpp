@@ -56,10 +56,12 @@ void agree(MPI_Comm comm, std::string const& problem, char const* region, double
   int const size = comm_size(comm);
   // Lowest failing rank (size when none), as a reduction polled under the
   // watchdog so that a peer which never arrives is reported, not waited for.
-  int const mine = problem.empty() ? size : rank;
-  int origin = size;
+  // The reduction's buffers live on the heap: when the watchdog gives up, the
+  // operation is still in flight (MPI cannot cancel a collective) and may
+  // complete later, so they are left to it rather than freed under it.
+  auto* buf = new int[2]{problem.empty() ? size : rank, size};
   MPI_Request req;
-  KOKKOSMOE_MPI_CHECK(MPI_Iallreduce(&mine, &origin, 1, MPI_INT, MPI_MIN, comm, &req), comm);
+  KOKKOSMOE_MPI_CHECK(MPI_Iallreduce(&buf[0], &buf[1], 1, MPI_INT, MPI_MIN, comm, &req), comm);
   auto const start = clock::now();
   int spins = 0;
   while (true) {
@@ -79,6 +81,8 @@ void agree(MPI_Comm comm, std::string const& problem, char const* region, double
                              << "; at least one of them did not enter this call");
     }
   }
+  int const origin = buf[1];
+  delete[] buf;
   if (origin == size) return;
   // Everybody is here: count the failures and send the origin's message.
   int const failed_here = problem.empty() ? 0 : 1;

@@ -13,6 +13,7 @@
 #include <limits>
 #include <set>
 #include <sstream>
+#include <sys/stat.h>
 
 namespace KokkosMoE {
 
@@ -432,12 +433,16 @@ LayerDeck read_layer_deck(MPI_Comm comm, std::string const& path) {
   std::string text;
   std::string problem;
   if (rank == 0) {
+    struct stat st;
     std::ifstream in(path, std::ios::binary);
     if (!in) {
       problem = "cannot read deck '" + path + "': " + std::strerror(errno);
+    } else if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      problem = "cannot read deck '" + path + "': not a regular file";
     } else {
       std::ostringstream os;
-      os << in.rdbuf();
+      if (st.st_size > 0) os << in.rdbuf();
+      if (in.bad() || (st.st_size > 0 && !os)) problem = "cannot read deck '" + path + "': " + std::strerror(errno);
       text = os.str();
     }
   }

@@ -255,11 +255,13 @@ RouteTable<MS> sampled_routes(Exec const& exec, LayerDeck const& d, LayerConfig 
   explicit_slot = {};
   if (expl) {
     auto const& routes = d.tokens.ranks.at(static_cast<std::size_t>(rank)).routes;
-    bool slots = !routes.empty();
-    for (auto const& r : routes) slots = slots && r.slot >= 0;
+    // Per route: its slot when the deck gives one, else (-1) the replica policy's.
+    bool slots = false;
+    for (auto const& r : routes) slots = slots || r.slot >= 0;
     Kokkos::View<int**, Kokkos::LayoutRight, MS> es;
     if (slots) es = Kokkos::View<int**, Kokkos::LayoutRight, MS>("KokkosMoE::Setup::explicit_slot", T, k);
     auto hs = Kokkos::create_mirror_view(es);
+    if (slots) Kokkos::deep_copy(hs, -1);
     for (auto const& r : routes) {
       he(r.token, r.k_slot) = r.expert;
       hg(r.token, r.k_slot) = r.gate;

@@ -32,13 +32,17 @@ class StepSeries {
 bool report_has_hdf5();
 
 /// \brief Writes the series to an HDF5 file (overwritten): /steps/<name> as
-/// float64 [steps] or [steps, width]; attributes (strings) on "/". Throws
-/// Error naming the file when it cannot be written, or when this build has no
-/// HDF5. Not collective: call it on one rank.
+/// float64 [steps] or [steps, width]; attributes (strings) on "/". The file
+/// is built in memory and written like write_text_file (temporary name, then
+/// renamed), so it is complete or absent. Throws Error naming the file when
+/// it cannot be written, or when this build has no HDF5. Not collective:
+/// call it on one rank.
 void write_series_hdf5(std::string const& path, StepSeries const& series, std::map<std::string, std::string> const& attributes);
 
-/// \brief Writes text to path (overwritten), creating missing parent
-/// directories; throws Error naming the path on failure.
+/// \brief Writes text (any bytes) to path, creating missing parent
+/// directories: to a temporary name beside it, renamed over path once
+/// complete, so a reader never sees a half-written file and a failure leaves
+/// the previous one. Throws Error naming the path on failure.
 void write_text_file(std::string const& path, std::string const& text);
 
 }  // namespace KokkosMoE

@@ -59,9 +59,9 @@ RoutePlan<Kokkos::HostSpace> to_host(RoutePlan<MS> const& p) {
 }
 
 /// \brief Builds the route plan of origin_rank from its route table.
-/// The physical slot of each accepted route is choice.slot(expert, global
-/// route id), or explicit_slot(t, j) when that view is non-empty (explicit
-/// routes, e.g. fixtures). Every chosen slot must store the route's logical
+/// The physical slot of each accepted route is explicit_slot(t, j) when that
+/// view is non-empty and the entry is >= 0 (explicit routes, e.g. fixtures),
+/// else choice.slot(expert, global route id). Every chosen slot must store the route's logical
 /// expert; otherwise Error names how many routes are wrong and the first one.
 template <class Exec, class MS>
 RoutePlan<MS> make_route_plan(Exec const& exec, RouteTable<MS> const& table, DevicePlacement<MS> const& placement,
@@ -128,7 +128,10 @@ RoutePlan<MS> make_route_plan(Exec const& exec, RouteTable<MS> const& table, Dev
         if (a < 0) return;
         int const e = t_expert(t, j);
         int s = -1;
-        if (e >= 0 && e < E) s = use_explicit ? explicit_slot(t, j) : choice.slot(e, id_base + x);
+        if (e >= 0 && e < E) {
+          int const given = use_explicit ? explicit_slot(t, j) : -1;
+          s = given >= 0 ? given : choice.slot(e, id_base + x);
+        }
         bool const ok = e >= 0 && e < E && s >= 0 && s < S && phy2log(s) == e;
         if (!ok && x < bad) bad = x;
         token(a) = static_cast<int>(t);

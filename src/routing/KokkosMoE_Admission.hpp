@@ -77,6 +77,16 @@ struct AdmissionStats {
 };
 
 namespace Impl {
+/// ceil(factor * share) rows, saturated at 2^62 (far above any row count):
+/// a huge factor admits everything instead of wrapping to a negative capacity.
+inline index_t capacity_rows(double factor, double share) {
+  constexpr index_t most = index_t(1) << 62;
+  double const c = std::ceil(factor * share);
+  return c >= static_cast<double>(most) ? most : static_cast<index_t>(c);
+}
+}  // namespace Impl
+
+namespace Impl {
 
 template <class T>
 struct type_identity {
@@ -306,8 +316,7 @@ AdmissionStats admit(ExecutionSpace const& exec, AdmissionConfig const& config, 
                                     E);
     Impl::route_histogram(exec, T, k, Impl::ExpertBin<M>{expert}, units);
     stats.units = Impl::to_host_vector(exec, units);
-    double const cap_d = std::ceil(config.capacity_factor * static_cast<double>(T) * k / E);
-    index_t const cap = static_cast<index_t>(cap_d);
+    index_t const cap = Impl::capacity_rows(config.capacity_factor, static_cast<double>(T) * k / E);
     stats.capacity = cap;
     stats.dropped_units.resize(stats.units.size());
     bool over = false;
@@ -347,7 +356,7 @@ AdmissionStats admit(ExecutionSpace const& exec, AdmissionConfig const& config, 
     stats.units = Impl::to_host_vector(exec, units);
     index_t rows = 0;
     for (index_t u : stats.units) rows += u;
-    index_t const cap = static_cast<index_t>(std::ceil(config.capacity_factor * static_cast<double>(rows) / D));
+    index_t const cap = Impl::capacity_rows(config.capacity_factor, static_cast<double>(rows) / D);
     stats.capacity = cap;
     stats.dropped_units.resize(stats.units.size());
     bool over = false;
