@@ -3,8 +3,16 @@
 
 // The frame every kmoe-* app shares: MPI, then Kokkos, then the app body;
 // an exception becomes one line "<app> (rank r): <message>" on stderr and a
-// non-zero exit code on that rank (library errors raised collectively reach
-// every rank, so every rank prints and exits non-zero).
+// non-zero exit code. Library errors raised collectively (CollectiveError)
+// reach every rank, so every rank prints and finalizes; any other error is
+// this rank's alone (a watchdog that gave up on a missing peer, a local
+// failure): its peers may be waiting for it, so it aborts the job instead of
+// finalizing, and every rank ends.
+//
+// Fault injection for tests (no special build): KOKKOSMOE_FAULT=<kind>:<rank>:<step>
+// makes world rank <rank> fail at the start of step <step> of a stepping app
+// (kmoe-layer): stop (SIGSTOP, never resumed), kill (SIGKILL) or throw (a
+// local error on that rank only).
 
 #include <KokkosMoE_Collective.hpp>
 
@@ -12,8 +20,11 @@
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
 
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <string>
 
 namespace kmoe_app {
 
@@ -28,13 +39,35 @@ int run(int argc, char* argv[], char const* name, Body&& body) {
     int const rank = KokkosMoE::comm_rank(MPI_COMM_WORLD);
     try {
       rc = body(rank);
-    } catch (std::exception const& e) {
+    } catch (KokkosMoE::CollectiveError const& e) {
       std::fprintf(stderr, "%s (rank %d): %s\n", name, rank, e.what());
       rc = 1;
+    } catch (std::exception const& e) {
+      std::fprintf(stderr, "%s (rank %d): %s\n%s (rank %d): aborting the job (an error of this rank alone)\n", name, rank, e.what(),
+                   name, rank);
+      std::fflush(stderr);
+      std::fflush(stdout);
+      MPI_Abort(MPI_COMM_WORLD, 1);
     }
   }
   MPI_Finalize();
   return rc;
+}
+
+/// The fault of KOKKOSMOE_FAULT for this rank and step, if any (see above).
+inline void fault_point(int rank, int step) {
+  char const* spec = std::getenv("KOKKOSMOE_FAULT");
+  if (!spec) return;
+  std::string const s(spec);
+  auto const a = s.find(':'), b = s.find(':', a == std::string::npos ? a : a + 1);
+  if (a == std::string::npos || b == std::string::npos) return;
+  std::string const kind = s.substr(0, a);
+  if (std::atoi(s.substr(a + 1, b - a - 1).c_str()) != rank || std::atoi(s.substr(b + 1).c_str()) != step) return;
+  std::fprintf(stderr, "fault injection: %s on rank %d at step %d\n", kind.c_str(), rank, step);
+  std::fflush(stderr);
+  if (kind == "stop") std::raise(SIGSTOP);
+  if (kind == "kill") std::raise(SIGKILL);
+  if (kind == "throw") throw KokkosMoE::Error("fault injection: rank " + std::to_string(rank) + " fails alone at step " + std::to_string(step));
 }
 
 /// Parses the command line; returns -1 to go on, or the exit code (help: 0,

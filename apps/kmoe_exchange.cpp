@@ -269,7 +269,7 @@ int run(LayerDeck const& deck, Options const& opt) {
     double best_s = -1;
     for (int rep = 0; rep < reps; ++rep) {
       auto rec = layer.forward_routes(exec, hidden, table, out, algo, explicit_slot);
-      auto const reduced = rec.ledger.reduced(world);
+      auto const reduced = rec.ledger.reduced(world, deck.exchange.watchdog_seconds);
       double t = 0;
       for (auto const* d : {&reduced.dispatch, &reduced.combine})
         for (auto const& s : d->stages) t += s.seconds;
@@ -286,7 +286,7 @@ int run(LayerDeck const& deck, Options const& opt) {
         for (auto* d : {&measured.dispatch, &measured.combine})
           for (auto& s : d->stages) s.seconds = 0;
         int ok = measured.to_json(0) == planned[static_cast<std::size_t>(rank)].to_json(0) ? 1 : 0, all_ok = 0;
-        MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, world);
+        allreduce_watched(&ok, &all_ok, 1, MPI_INT, MPI_MIN, world, "planner check", deck.exchange.watchdog_seconds);
         planned_ok = planned_ok && all_ok == 1;
       }
     }

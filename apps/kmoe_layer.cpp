@@ -71,16 +71,16 @@ std::string fmt(double v, int p = 4) {
 }
 
 /// Slowest rank's time of every stage (same key set on every rank).
-std::map<std::string, double> slowest(std::map<std::string, double> const& local, MPI_Comm comm) {
+std::map<std::string, double> slowest(std::map<std::string, double> const& local, MPI_Comm comm, double watchdog) {
   std::vector<std::string> keys;
   for (auto const& kv : local) keys.push_back(kv.first);
   std::vector<double> v, out;
   for (auto const& k : keys) v.push_back(local.at(k));
   int n = static_cast<int>(v.size()), nmax = 0;
-  MPI_Allreduce(&n, &nmax, 1, MPI_INT, MPI_MAX, comm);
+  allreduce_watched(&n, &nmax, 1, MPI_INT, MPI_MAX, comm, "stage time reduction", watchdog);
   KOKKOSMOE_REQUIRE(n == nmax, "ranks timed different stages (" << n << " vs " << nmax << ")");
   out.resize(v.size());
-  MPI_Allreduce(v.data(), out.data(), n, MPI_DOUBLE, MPI_MAX, comm);
+  allreduce_watched(v.data(), out.data(), n, MPI_DOUBLE, MPI_MAX, comm, "stage time reduction", watchdog);
   std::map<std::string, double> r;
   for (std::size_t i = 0; i < keys.size(); ++i) r[keys[i]] = out[i];
   return r;
@@ -88,11 +88,11 @@ std::map<std::string, double> slowest(std::map<std::string, double> const& local
 
 /// Content digest of every rank's rows, in rank order (the same on every rank).
 template <class T>
-std::string output_digest(RowMatrix<T, MS> const& out, MPI_Comm comm) {
+std::string output_digest(RowMatrix<T, MS> const& out, MPI_Comm comm, double watchdog) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
   std::string const mine(reinterpret_cast<char const*>(h.data()), h.size() * sizeof(T));
   std::uint64_t d = 0x9E3779B97F4A7C15ULL;
-  for (auto const& rows : allgather_strings(comm, mine)) d = digest_bytes(rows.data(), rows.size(), d);
+  for (auto const& rows : allgather_strings(comm, mine, watchdog)) d = digest_bytes(rows.data(), rows.size(), d);
   return digest_hex(d);
 }
 
@@ -113,6 +113,7 @@ class LayerRun {
     algorithms_ = deck.run.compare;
     if (algorithms_.empty())
       algorithms_.push_back(opt.algorithm.empty() ? deck.exchange.algorithm : from_string<Exchange::Algorithm>(opt.algorithm));
+    watchdog_ = deck.exchange.watchdog_seconds;
     warmup_ = opt.warmup >= 0 ? opt.warmup : deck.run.warmup;
     steps_ = opt.steps >= 0 ? opt.steps : deck.run.steps;
     tokens_ = Setup::tokens_per_rank(deck);
@@ -126,6 +127,7 @@ class LayerRun {
     if (rank_ == 0) print_setup();
     int const every = deck_.run.progress_every > 0 ? deck_.run.progress_every : std::max(1, steps_ / 10);
     for (int step = 0; step < warmup_ + steps_; ++step) {
+      kmoe_app::fault_point(rank_, step);
       bool const measured = step >= warmup_;
       auto hidden = Setup::hidden_rows<T, MS>(deck_, step, first_, tokens_, rank_);
       step_routes(step, hidden);
@@ -138,7 +140,7 @@ class LayerRun {
         std::fflush(stdout);
       }
     }
-    for (std::size_t a = 0; a < algorithms_.size(); ++a) totals_[name(a)].output_digest = output_digest(outs_[a], world_);
+    for (std::size_t a = 0; a < algorithms_.size(); ++a) totals_[name(a)].output_digest = output_digest(outs_[a], world_, watchdog_);
     if (opt_.print_output) print_outputs();
     summary();
     return 0;
@@ -189,9 +191,9 @@ class LayerRun {
       }
     }
     rec.seconds["other"] = std::max(0.0, rec.unaccounted_seconds());
-    auto const sl = slowest(rec.seconds, world_);
-    auto const ledger = rec.ledger.reduced(world_);
-    auto const rc = reduce_route_counts(rec.routes, world_);
+    auto const sl = slowest(rec.seconds, world_, watchdog_);
+    auto const ledger = rec.ledger.reduced(world_, watchdog_);
+    auto const rc = reduce_route_counts(rec.routes, world_, watchdog_);
     if (algorithms_.size() > 1) {
       auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
       host_out.resize(h.size());
@@ -223,15 +225,15 @@ class LayerRun {
     for (std::size_t a = 1; a < algorithms_.size(); ++a) {
       double diff = 0;
       int same = host_out[a].size() == host_out[0].size() ? 1 : 0;
-      if (same) {
+      if (same && !host_out[0].empty()) {
         same = std::memcmp(host_out[a].data(), host_out[0].data(), host_out[0].size() * sizeof(float)) == 0;
         for (std::size_t i = 0; i < host_out[0].size(); ++i)
           diff = std::max(diff, static_cast<double>(std::fabs(host_out[a][i] - host_out[0][i])));
       }
       int all_same = 0;
       double max_diff = 0;
-      MPI_Allreduce(&same, &all_same, 1, MPI_INT, MPI_MIN, world_);
-      MPI_Allreduce(&diff, &max_diff, 1, MPI_DOUBLE, MPI_MAX, world_);
+      allreduce_watched(&same, &all_same, 1, MPI_INT, MPI_MIN, world_, "output comparison", watchdog_);
+      allreduce_watched(&diff, &max_diff, 1, MPI_DOUBLE, MPI_MAX, world_, "output comparison", watchdog_);
       auto& tot = totals_[name(a)];
       tot.identical = tot.identical && all_same == 1;
       tot.max_abs_diff = std::max(tot.max_abs_diff, max_diff);
@@ -241,7 +243,8 @@ class LayerRun {
   /// Global load per expert, balance of the step, bias update for the next one.
   void expert_load(bool measured) {
     std::vector<index_t> global(counts_.size());
-    MPI_Allreduce(counts_.data(), global.data(), static_cast<int>(counts_.size()), MPI_INT64_T, MPI_SUM, world_);
+    allreduce_watched(counts_.data(), global.data(), static_cast<int>(counts_.size()), MPI_INT64_T, MPI_SUM, world_, "expert load reduction",
+                      watchdog_);
     if (measured) {
       std::vector<double> row(global.begin(), global.end());
       series_.add_row("expert_load", row);
@@ -272,7 +275,7 @@ class LayerRun {
       for (std::size_t c = 0; c < h.extent(1); ++c) mine << " " << std::setprecision(6) << static_cast<double>(to_float(h(t, c)));
       mine << "\n";
     }
-    auto const all = allgather_strings(world_, mine.str());
+    auto const all = allgather_strings(world_, mine.str(), watchdog_);
     if (rank_ == 0)
       for (auto const& text : all) std::cout << text;
     std::cout << std::flush;
@@ -345,7 +348,7 @@ class LayerRun {
         write_series_hdf5(h5_path, series_, {{"deck", deck_.path}, {"build", build_summary()}, {"algorithms", json(names).dump()}});
         std::cout << "time series: " << h5_path << "\n";
       }
-    });
+    }, watchdog_);
     if (rank_ == 0) std::cout << perf << std::endl;
   }
 
@@ -377,6 +380,7 @@ class LayerRun {
   RowMatrix<T, MS> router_weight_;
   MoELayer<T, Exec, MS> layer_;
   std::vector<Exchange::Algorithm> algorithms_;
+  double watchdog_ = 0;
   int warmup_ = 0, steps_ = 0;
   index_t tokens_ = 0, first_ = 0;
   std::unique_ptr<BiasController> bias_;

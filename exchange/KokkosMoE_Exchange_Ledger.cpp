@@ -175,16 +175,17 @@ void ByteLedger::append(ByteLedger const& next) {
   }
 }
 
-ByteLedger ByteLedger::reduced(MPI_Comm comm) const {
+ByteLedger ByteLedger::reduced(MPI_Comm comm, double watchdog_seconds) const {
   std::vector<std::int64_t> v;
   flatten(dispatch, v);
   flatten(combine, v);
-  std::int64_t n = static_cast<std::int64_t>(v.size()), n_max = 0, n_min = 0;
-  MPI_Allreduce(&n, &n_max, 1, MPI_INT64_T, MPI_MAX, comm);
-  MPI_Allreduce(&n, &n_min, 1, MPI_INT64_T, MPI_MIN, comm);
+  std::int64_t const n = static_cast<std::int64_t>(v.size());
+  std::int64_t in[2] = {n, -n}, ext[2] = {0, 0};  // the largest count and (negated) the smallest, in one reduction
+  allreduce_watched(in, ext, 2, MPI_INT64_T, MPI_MAX, comm, "ledger reduction", watchdog_seconds);
+  std::int64_t const n_max = ext[0], n_min = -ext[1];
   KOKKOSMOE_REQUIRE(n_max == n_min, "ledger reduction: ranks disagree on the stage structure (" << n_min << " vs " << n_max << " counters)");
   std::vector<std::int64_t> sum(v.size());
-  MPI_Allreduce(v.data(), sum.data(), static_cast<int>(v.size()), MPI_INT64_T, MPI_SUM, comm);
+  allreduce_watched(v.data(), sum.data(), static_cast<int>(v.size()), MPI_INT64_T, MPI_SUM, comm, "ledger reduction", watchdog_seconds);
   ByteLedger out = *this;
   std::size_t i = 0;
   unflatten(out.dispatch, sum, i);
@@ -194,7 +195,8 @@ ByteLedger ByteLedger::reduced(MPI_Comm comm) const {
   for (auto const* d : {&dispatch, &combine})
     for (auto const& s : d->stages) t.push_back(s.seconds);
   tmax.resize(t.size());
-  if (!t.empty()) MPI_Allreduce(t.data(), tmax.data(), static_cast<int>(t.size()), MPI_DOUBLE, MPI_MAX, comm);
+  if (!t.empty())
+    allreduce_watched(t.data(), tmax.data(), static_cast<int>(t.size()), MPI_DOUBLE, MPI_MAX, comm, "ledger reduction", watchdog_seconds);
   std::size_t k = 0;
   for (auto* d : {&out.dispatch, &out.combine})
     for (auto& s : d->stages) s.seconds = tmax[k++];

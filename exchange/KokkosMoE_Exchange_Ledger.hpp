@@ -91,8 +91,9 @@ struct ByteLedger {
   /// useful rows and drops summed. An empty ledger (no algorithm) becomes a
   /// copy of `next`.
   void append(ByteLedger const& next);
-  /// \brief Collective over comm: the sum of every rank's ledger, on every rank.
-  ByteLedger reduced(MPI_Comm comm) const;
+  /// \brief Collective over comm: the sum of every rank's ledger, on every
+  /// rank (stage times: the slowest rank's), under the watchdog when > 0.
+  ByteLedger reduced(MPI_Comm comm, double watchdog_seconds = 0.0) const;
   /// \brief Human-readable table (one line per direction, stage and class).
   std::string table() const;
 };

@@ -119,8 +119,7 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
   void wait(Kokkos::Cuda const& exec, NcclCommunicator& nc, Topology::Communicator const& comm,
             std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
             TransportOptions const& options) {
-    using clock = std::chrono::steady_clock;
-    auto const start = clock::now();
+    Watchdog dog(options.watchdog_seconds);
     cudaStream_t const stream = exec.cuda_stream();
     while (true) {
       cudaError_t const st = cudaStreamQuery(stream);
@@ -129,8 +128,8 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
       ncclResult_t async = ncclSuccess;
       KOKKOSMOE_NCCL_CHECK(ncclCommGetAsyncError(nc.get(), &async));
       KOKKOSMOE_REQUIRE(async == ncclSuccess, what << ": NCCL asynchronous error " << ncclGetErrorString(async));
-      double const waited = std::chrono::duration<double>(clock::now() - start).count();
-      if (options.watchdog_seconds > 0 && waited > options.watchdog_seconds) {
+      if (dog.expired()) {
+        double const waited = dog.waited();
         std::ostringstream peers;
         for (int p = 0; p < comm.size(); ++p)
           if (p != comm.my_slot() && (send_counts[p] > 0 || recv_counts[p] > 0))
@@ -140,7 +139,6 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
         KOKKOSMOE_THROW(what << ": NCCL transfers on " << comm.name() << " did not complete within " << waited
                              << " s; peers with outstanding rows: [" << peers.str() << "]");
       }
-      std::this_thread::yield();
     }
   }
 

@@ -5,6 +5,7 @@
 #endif
 
 #include <chrono>
+#include <set>
 #include <climits>
 #include <sstream>
 #include <thread>
@@ -62,13 +63,10 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
 
 void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending, char const* what,
               TransportOptions const& options) {
-  using clock = std::chrono::steady_clock;
-  auto const start = clock::now();
+  Watchdog dog(options.watchdog_seconds);
   std::size_t done = 0;
   std::vector<char> complete(pending.size(), 0);
-  int spins = 0;
   while (done < pending.size()) {
-    bool progressed = false;
     for (std::size_t i = 0; i < pending.size(); ++i) {
       if (complete[i]) continue;
       int flag = 0;
@@ -76,32 +74,29 @@ void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending,
       if (flag) {
         complete[i] = 1;
         ++done;
-        progressed = true;
       }
     }
     if (done == pending.size()) break;
-    if (!progressed && ++spins > 64) {
-      // Oversubscribed ranks must let their peers run.
-      std::this_thread::yield();
-      spins = 0;
-    }
-    double const waited = std::chrono::duration<double>(clock::now() - start).count();
-    if (options.watchdog_seconds > 0 && waited > options.watchdog_seconds) {
-      std::ostringstream recv_from, send_to;
+    if (dog.expired()) {
+      // Each missing peer once per direction, in peer-slot order.
+      std::set<int> recv_from, send_to;
       for (std::size_t i = 0; i < pending.size(); ++i) {
         if (complete[i]) continue;
-        auto& os = pending[i].receive ? recv_from : send_to;
-        os << (os.tellp() > 0 ? ", " : "") << "slot " << pending[i].peer_slot << " (rank "
-           << comm.global_rank(pending[i].peer_slot) << ")";
+        (pending[i].receive ? recv_from : send_to).insert(pending[i].peer_slot);
         if (pending[i].receive) MPI_Cancel(&pending[i].request);
         MPI_Request_free(&pending[i].request);
       }
       pending.clear();
+      auto list = [&](std::set<int> const& slots) {
+        std::ostringstream os;
+        for (int p : slots) os << (os.tellp() > 0 ? ", " : "") << "slot " << p << " (rank " << comm.global_rank(p) << ")";
+        return os.str();
+      };
       int world = -1;
       MPI_Comm_rank(MPI_COMM_WORLD, &world);
-      KOKKOSMOE_THROW(what << ": rank " << world << " (slot " << comm.my_slot() << " of " << comm.name()
-                           << ") waited " << waited << " s; still waiting to receive from ["
-                           << recv_from.str() << "]" << (send_to.tellp() > 0 ? " and to send to [" + send_to.str() + "]" : std::string())
+      KOKKOSMOE_THROW(what << ": rank " << world << " (slot " << comm.my_slot() << " of " << comm.name() << ") waited "
+                           << dog.waited() << " s; still waiting to receive from [" << list(recv_from) << "]"
+                           << (send_to.empty() ? std::string() : " and to send to [" + list(send_to) + "]")
                            << " - did those ranks skip this call?");
     }
   }
@@ -168,7 +163,7 @@ AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_
   // Every peer has entered this call (its counts arrived), so a blocking
   // agreement cannot hang here.
   agree(comm.comm(), problem.empty() ? problem : std::string(what) + ": count agreement failed on rank " + std::to_string(world) + ": " + problem,
-        "count agreement");
+        "count agreement", options.watchdog_seconds);
   return agreed;
 }
 

@@ -1,7 +1,14 @@
 # Runs COMMAND (arguments separated by '|') and passes when it exits non-zero and its output
-# matches REGEX at least COUNT times (e.g. once per rank).
-#   cmake -DCOMMAND=... -DREGEX=... -DCOUNT=N -P expect_failure.cmake
+# matches REGEX at least COUNT times (e.g. once per rank), and (with ABSENT) when no file
+# matching the glob ABSENT exists afterwards (e.g. no half-written report).
+#   cmake -DCOMMAND=... -DREGEX=... -DCOUNT=N [-DABSENT=glob] -P expect_failure.cmake
 string(REPLACE "|" ";" command "${COMMAND}")
+if(ABSENT)
+  file(GLOB _before ${ABSENT})
+  if(_before)
+    file(REMOVE ${_before})
+  endif()
+endif()
 execute_process(COMMAND ${command} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 set(all "${out}${err}")
 if(rc EQUAL 0)
@@ -11,5 +18,11 @@ string(REGEX MATCHALL "${REGEX}" hits "${all}")
 list(LENGTH hits n)
 if(n LESS COUNT)
   message(FATAL_ERROR "expected ${COUNT} lines matching '${REGEX}', found ${n} (exit ${rc}):\n${all}")
+endif()
+if(ABSENT)
+  file(GLOB _left ${ABSENT})
+  if(_left)
+    message(FATAL_ERROR "the failed run left ${_left} behind:\n${all}")
+  endif()
 endif()
 message(STATUS "failed as expected (exit ${rc}), ${n} matching lines")

@@ -1,6 +1,8 @@
 #include <KokkosMoE_Collective.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -19,19 +21,29 @@ int comm_size(MPI_Comm comm) {
   return s;
 }
 
-std::vector<std::string> allgather_strings(MPI_Comm comm, std::string const& mine) {
+std::vector<std::string> allgather_strings(MPI_Comm comm, std::string const& mine, double watchdog_seconds) {
   int const size = comm_size(comm);
-  int length = static_cast<int>(mine.size());
-  std::vector<int> lengths(static_cast<std::size_t>(size));
-  KOKKOSMOE_MPI_CHECK(MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, comm), comm);
+  // Lengths and texts live on the heap: a gather the watchdog gives up on
+  // may still complete into them.
+  auto* lengths = new std::vector<int>(static_cast<std::size_t>(size) + 1);
+  (*lengths)[static_cast<std::size_t>(size)] = static_cast<int>(mine.size());
+  MPI_Request req;
+  KOKKOSMOE_MPI_CHECK(MPI_Iallgather(&(*lengths)[static_cast<std::size_t>(size)], 1, MPI_INT, lengths->data(), 1, MPI_INT, comm, &req), comm);
+  wait_watched(req, comm, "string gather (lengths)", watchdog_seconds);
   std::vector<int> displs(static_cast<std::size_t>(size) + 1, 0);
-  for (int r = 0; r < size; ++r) displs[r + 1] = displs[r] + lengths[r];
-  std::string all(static_cast<std::size_t>(displs[size]), '\0');
-  KOKKOSMOE_MPI_CHECK(MPI_Allgatherv(mine.data(), length, MPI_CHAR, &all[0], lengths.data(), displs.data(),
-                                     MPI_CHAR, comm),
+  for (int r = 0; r < size; ++r) displs[r + 1] = displs[r] + (*lengths)[r];
+  auto* all = new std::string(static_cast<std::size_t>(displs[size]), '\0');
+  auto* text = new std::string(mine);
+  KOKKOSMOE_MPI_CHECK(MPI_Iallgatherv(text->data(), static_cast<int>(text->size()), MPI_CHAR, &(*all)[0], lengths->data(),
+                                      displs.data(), MPI_CHAR, comm, &req),
                       comm);
+  wait_watched(req, comm, "string gather", watchdog_seconds);
   std::vector<std::string> out(static_cast<std::size_t>(size));
-  for (int r = 0; r < size; ++r) out[r] = all.substr(static_cast<std::size_t>(displs[r]), static_cast<std::size_t>(lengths[r]));
+  for (int r = 0; r < size; ++r)
+    out[r] = all->substr(static_cast<std::size_t>(displs[r]), static_cast<std::size_t>((*lengths)[r]));
+  delete lengths;
+  delete all;
+  delete text;
   return out;
 }
 
@@ -50,8 +62,114 @@ std::string comm_name(MPI_Comm comm) {
   return length > 0 ? std::string(name, static_cast<std::size_t>(length)) : std::string("unnamed communicator");
 }
 
+Watchdog::Watchdog(double limit_seconds) : limit_(limit_seconds) {
+  last_ = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+bool Watchdog::expired() {
+  if (++spins_ > 64) {
+    std::this_thread::yield();  // oversubscribed ranks must let their peers run
+    spins_ = 0;
+  }
+  double const now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  waited_ += std::min(now - last_, 0.1);
+  last_ = now;
+  return limit_ > 0 && waited_ > limit_;
+}
+
+std::vector<int> missing_ranks(MPI_Comm comm, double grace_seconds) {
+  int const size = comm_size(comm);
+  int const me = comm_rank(comm);
+  constexpr int tag = 32017;  // reserved for this census
+  // Heap buffers: sends to dead ranks never complete and are left behind.
+  auto* token = new int(1);
+  auto* in = new std::vector<int>(static_cast<std::size_t>(size), 0);
+  std::vector<MPI_Request> recv(static_cast<std::size_t>(size), MPI_REQUEST_NULL), send(recv);
+  for (int p = 0; p < size; ++p) {
+    if (p == me) continue;
+    MPI_Irecv(&(*in)[static_cast<std::size_t>(p)], 1, MPI_INT, p, tag, comm, &recv[static_cast<std::size_t>(p)]);
+    MPI_Isend(token, 1, MPI_INT, p, tag, comm, &send[static_cast<std::size_t>(p)]);
+  }
+  Watchdog dog(grace_seconds);
+  std::vector<char> heard(static_cast<std::size_t>(size), 0);
+  heard[static_cast<std::size_t>(me)] = 1;
+  int left = size - 1;
+  while (left > 0 && !dog.expired()) {
+    for (int p = 0; p < size; ++p) {
+      if (heard[static_cast<std::size_t>(p)]) continue;
+      int flag = 0;
+      MPI_Test(&recv[static_cast<std::size_t>(p)], &flag, MPI_STATUS_IGNORE);
+      if (flag) {
+        heard[static_cast<std::size_t>(p)] = 1;
+        --left;
+      }
+    }
+  }
+  std::vector<int> missing;
+  for (int p = 0; p < size; ++p)
+    if (!heard[static_cast<std::size_t>(p)]) {
+      missing.push_back(p);
+      MPI_Cancel(&recv[static_cast<std::size_t>(p)]);
+      MPI_Request_free(&recv[static_cast<std::size_t>(p)]);
+    }
+  for (auto& r : send)
+    if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+  if (missing.empty()) {
+    delete in;
+  }
+  return missing;
+}
+
+void wait_watched(MPI_Request& request, MPI_Comm comm, char const* what, double watchdog_seconds) {
+  Watchdog dog(watchdog_seconds);
+  while (true) {
+    int flag = 0;
+    KOKKOSMOE_MPI_CHECK(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), comm);
+    if (flag) return;
+    if (dog.expired()) {
+      int world = -1;
+      MPI_Comm_rank(MPI_COMM_WORLD, &world);
+      double const grace = std::min(10.0, std::max(2.0, 0.5 * watchdog_seconds));
+      auto const missing = missing_ranks(comm, grace);
+      // Their ranks in MPI_COMM_WORLD too (communicators may reorder ranks).
+      std::vector<int> world_ranks(missing.size(), -1);
+      MPI_Group group, world_group;
+      MPI_Comm_group(comm, &group);
+      MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+      if (!missing.empty())
+        MPI_Group_translate_ranks(group, static_cast<int>(missing.size()), missing.data(), world_group, world_ranks.data());
+      MPI_Group_free(&group);
+      MPI_Group_free(&world_group);
+      std::ostringstream who;
+      for (std::size_t i = 0; i < missing.size() && i < 32; ++i)
+        who << (i ? ", " : "") << missing[i] << (world_ranks[i] != missing[i] ? " (world rank " + std::to_string(world_ranks[i]) + ")" : "");
+      if (missing.size() > 32) who << ", ... (" << missing.size() << " ranks)";
+      KOKKOSMOE_THROW(what << ": rank " << world << " (rank " << comm_rank(comm) << " of " << comm_name(comm) << ") waited "
+                           << dog.waited() << " s for all " << comm_size(comm) << " ranks of " << comm_name(comm) << "; "
+                           << (missing.empty() ? std::string("every rank answered a census after it, so one of them is stuck in another call")
+                                               : "no answer from rank" + std::string(missing.size() > 1 ? "s [" : " [") + who.str() + "] of " +
+                                                     comm_name(comm) + " within " + std::to_string(static_cast<int>(grace)) +
+                                                     " s (stopped, killed, or stuck elsewhere): at least one of them did not enter this call"));
+    }
+  }
+}
+
+void allreduce_watched(void const* in, void* out, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm, char const* what,
+                       double watchdog_seconds) {
+  int size = 0;
+  MPI_Type_size(type, &size);
+  // Heap buffers, left to a reduction the watchdog gives up on.
+  auto* buf = new unsigned char[2 * static_cast<std::size_t>(count) * static_cast<std::size_t>(size)];
+  std::memcpy(buf, in, static_cast<std::size_t>(count) * static_cast<std::size_t>(size));
+  unsigned char* result = buf + static_cast<std::size_t>(count) * static_cast<std::size_t>(size);
+  MPI_Request req;
+  KOKKOSMOE_MPI_CHECK(MPI_Iallreduce(buf, result, count, type, op, comm, &req), comm);
+  wait_watched(req, comm, what, watchdog_seconds);
+  std::memcpy(out, result, static_cast<std::size_t>(count) * static_cast<std::size_t>(size));
+  delete[] buf;
+}
+
 void agree(MPI_Comm comm, std::string const& problem, char const* region, double watchdog_seconds) {
-  using clock = std::chrono::steady_clock;
   int const rank = comm_rank(comm);
   int const size = comm_size(comm);
   // Lowest failing rank (size when none), as a reduction polled under the
@@ -62,40 +180,35 @@ void agree(MPI_Comm comm, std::string const& problem, char const* region, double
   auto* buf = new int[2]{problem.empty() ? size : rank, size};
   MPI_Request req;
   KOKKOSMOE_MPI_CHECK(MPI_Iallreduce(&buf[0], &buf[1], 1, MPI_INT, MPI_MIN, comm, &req), comm);
-  auto const start = clock::now();
-  int spins = 0;
-  while (true) {
-    int flag = 0;
-    KOKKOSMOE_MPI_CHECK(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), comm);
-    if (flag) break;
-    if (++spins > 64) {
-      std::this_thread::yield();  // oversubscribed ranks must let their peers run
-      spins = 0;
-    }
-    double const waited = std::chrono::duration<double>(clock::now() - start).count();
-    if (watchdog_seconds > 0 && waited > watchdog_seconds) {
-      int world = -1;
-      MPI_Comm_rank(MPI_COMM_WORLD, &world);
-      KOKKOSMOE_THROW(region << ": rank " << world << " (rank " << rank << " of " << comm_name(comm) << ") waited " << waited
-                             << " s in the agreement over all " << size << " ranks of " << comm_name(comm)
-                             << "; at least one of them did not enter this call");
-    }
-  }
+  wait_watched(req, comm, region, watchdog_seconds);
   int const origin = buf[1];
   delete[] buf;
   if (origin == size) return;
-  // Everybody is here: count the failures and send the origin's message.
-  int const failed_here = problem.empty() ? 0 : 1;
+  // Everybody is here: every rank's problem, so that each distinct message
+  // is shown with the ranks that had it (the lowest rank's first).
+  auto const all = allgather_strings(comm, problem, watchdog_seconds);
+  std::vector<std::pair<std::string, std::vector<int>>> distinct;
+  for (int r = 0; r < size; ++r) {
+    auto const& m = all[static_cast<std::size_t>(r)];
+    if (m.empty()) continue;
+    auto it = std::find_if(distinct.begin(), distinct.end(), [&](auto const& d) { return d.first == m; });
+    if (it == distinct.end()) distinct.emplace_back(m, std::vector<int>{r});
+    else it->second.push_back(r);
+  }
   int failed = 0;
-  KOKKOSMOE_MPI_CHECK(MPI_Allreduce(&failed_here, &failed, 1, MPI_INT, MPI_SUM, comm), comm);
-  int length = rank == origin ? static_cast<int>(problem.size()) : 0;
-  KOKKOSMOE_MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT, origin, comm), comm);
-  std::string text = rank == origin ? problem : std::string(static_cast<std::size_t>(length), '\0');
-  if (length > 0) KOKKOSMOE_MPI_CHECK(MPI_Bcast(&text[0], length, MPI_CHAR, origin, comm), comm);
+  for (auto const& d : distinct) failed += static_cast<int>(d.second.size());
+  auto shortened = [](std::string const& m) { return m.size() <= 2000 ? m : m.substr(0, 2000) + " ... (" + std::to_string(m.size()) + " characters)"; };
+  std::string const text = all[static_cast<std::size_t>(origin)];
   std::ostringstream os;
   os << "KokkosMoE: " << region << " failed on rank " << origin;
   if (failed > 1) os << " (and " << failed - 1 << " other rank" << (failed > 2 ? "s" : "") << ")";
-  os << " [seen on rank " << rank << " of " << size << "]: " << text;
+  os << " [seen on rank " << rank << " of " << size << "]: " << shortened(text);
+  for (std::size_t i = 1; i < distinct.size(); ++i) {
+    os << " | rank" << (distinct[i].second.size() > 1 ? "s " : " ");
+    for (std::size_t j = 0; j < distinct[i].second.size() && j < 16; ++j) os << (j ? ", " : "") << distinct[i].second[j];
+    if (distinct[i].second.size() > 16) os << ", ...";
+    os << ": " << shortened(distinct[i].first);
+  }
   throw CollectiveError(origin, failed, text, os.str());
 }
 

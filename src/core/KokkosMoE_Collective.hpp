@@ -44,6 +44,46 @@ class CollectiveError : public Error {
   std::string origin_message_;
 };
 
+/// \brief The clock of every watchdog: the seconds this process has spent
+/// waiting, counted while it runs. A gap between two polls longer than a
+/// tenth of a second is counted as a tenth (the process was descheduled or
+/// stopped, not waiting for a peer), so a rank that was itself stopped and
+/// resumes does not blame peers that did nothing.
+class Watchdog {
+ public:
+  /// \param limit_seconds how long a wait may last (0: forever).
+  explicit Watchdog(double limit_seconds);
+  /// \brief Advances the clock; true once the limit is exceeded.
+  bool expired();
+  /// \brief Seconds counted so far.
+  double waited() const { return waited_; }
+
+ private:
+  double limit_;
+  double waited_ = 0;
+  double last_;
+  int spins_ = 0;
+};
+
+/// \brief Polls a nonblocking MPI collective request until it completes,
+/// yielding the core to oversubscribed peers; with a watchdog (limit > 0),
+/// throws Error when it takes longer: "<what>: rank R (rank r of <comm>)
+/// waited S s for all N ranks of <comm>; no answer from ranks [...] ..."
+/// (the missing ranks found by missing_ranks()). The buffers of a request
+/// given up on must outlive it (MPI cannot cancel a collective).
+void wait_watched(MPI_Request& request, MPI_Comm comm, char const* what, double watchdog_seconds);
+
+/// \brief Who is there: every rank sends a token to every other rank of comm
+/// and waits up to grace_seconds for theirs; returns the ranks (of comm)
+/// whose token did not arrive. Used after a watchdog expired in a
+/// collective, where every rank that is alive and waits does the same, to
+/// name the ranks that are missing (stopped, killed, or stuck elsewhere).
+std::vector<int> missing_ranks(MPI_Comm comm, double grace_seconds);
+
+/// \brief MPI_Allreduce of count values under the watchdog (see wait_watched).
+void allreduce_watched(void const* in, void* out, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm, char const* what,
+                       double watchdog_seconds);
+
 /// \brief Runs f and returns its exception message ("" when it returns
 /// normally). The local half of an agreement: see agree().
 template <class F>
@@ -84,8 +124,8 @@ namespace Impl {
 }  // namespace Impl
 
 /// \brief Collective: every rank contributes a string, every rank gets all
-/// of them in rank order.
-std::vector<std::string> allgather_strings(MPI_Comm comm, std::string const& mine);
+/// of them in rank order (under the watchdog when watchdog_seconds > 0).
+std::vector<std::string> allgather_strings(MPI_Comm comm, std::string const& mine, double watchdog_seconds = 0.0);
 
 /// \brief Collective: rank root's string on every rank.
 std::string broadcast_string(MPI_Comm comm, std::string const& text, int root = 0);

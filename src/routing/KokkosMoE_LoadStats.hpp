@@ -143,7 +143,7 @@ Kokkos::View<index_t*, typename CountsView::memory_space> reduce_expert_counts(E
 }
 
 /// \brief Collective over comm: attempted, accepted and dropped summed over ranks.
-RouteCounts reduce_route_counts(RouteCounts const& local, MPI_Comm comm);
+RouteCounts reduce_route_counts(RouteCounts const& local, MPI_Comm comm, double watchdog_seconds = 0.0);
 
 }  // namespace KokkosMoE
 

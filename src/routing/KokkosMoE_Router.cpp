@@ -144,9 +144,9 @@ std::vector<int> expert_domains(Placement const& placement, bool by_node) {
 
 // ---- load statistics -------------------------------------------------------------
 
-RouteCounts reduce_route_counts(RouteCounts const& local, MPI_Comm comm) {
+RouteCounts reduce_route_counts(RouteCounts const& local, MPI_Comm comm, double watchdog_seconds) {
   std::int64_t v[3] = {local.attempted, local.accepted, local.dropped};
-  KOKKOSMOE_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, 3, MPI_INT64_T, MPI_SUM, comm), comm);
+  allreduce_watched(v, v, 3, MPI_INT64_T, MPI_SUM, comm, "route count reduction", watchdog_seconds);
   RouteCounts out;
   out.attempted = v[0];
   out.accepted = v[1];
