@@ -14,15 +14,19 @@ if(_kmoe_mpiexec_version MATCHES "Open MPI|OpenRTE" AND NOT "--oversubscribe" IN
   list(APPEND KOKKOSMOE_MPIEXEC_PREFLAGS --oversubscribe)
 endif()
 
-# Environment of every test: root-friendly OpenMPI, one BLAS/OpenMP thread per
-# rank (ranks share the cores), no Kokkos tools.
+# Environment of every test: root-friendly OpenMPI, one BLAS thread and
+# KokkosMoE_TEST_OMP_THREADS OpenMP threads per rank (1 by default: ranks share
+# the cores; more on an OpenMP build runs every kernel with real threads, the
+# race check of the CPU builds), no Kokkos tools.
+set(KokkosMoE_TEST_OMP_THREADS 1 CACHE STRING "OpenMP threads per rank in the tests")
 set(KOKKOSMOE_TEST_ENVIRONMENT
   OMPI_ALLOW_RUN_AS_ROOT=1
   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   OMPI_MCA_rmaps_base_oversubscribe=1
   OPENBLAS_NUM_THREADS=1
-  OMP_NUM_THREADS=1
-  OMP_PROC_BIND=false)
+  OMP_NUM_THREADS=${KokkosMoE_TEST_OMP_THREADS}
+  OMP_PROC_BIND=false
+  OMP_WAIT_POLICY=passive)
 
 function(kokkosmoe_register_mpi_command name nranks)
   cmake_parse_arguments(ARG "" "TIMEOUT;WORKING_DIRECTORY" "COMMAND;LABELS;PASS_REGULAR_EXPRESSION;FAIL_REGULAR_EXPRESSION;DEPENDS;FIXTURES" ${ARGN})
