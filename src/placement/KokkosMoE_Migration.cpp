@@ -87,15 +87,35 @@ MigrationPlan plan_migration(Placement const& source, Placement const& target,
       set_step(t, MigrationAction::retain, t);
     }
   }
-  // Pass 2: retain in the lowest unclaimed slot of the same rank.
-  for (int t = 0; t < T; ++t) {
-    if (decided[static_cast<std::size_t>(t)]) continue;
-    auto const& ts = target.slot(t);
-    for (int s : source.slots_of_rank(ts.rank)) {
-      if (claimed[static_cast<std::size_t>(s)] || source.slot(s).expert != ts.expert) continue;
-      claimed[static_cast<std::size_t>(s)] = 1;
-      set_step(t, MigrationAction::retain, s);
-      break;
+  // Pass 2: retain in the lowest unclaimed slot of the same rank holding the
+  // expert. Source slots sorted by (rank, expert, slot) with one cursor per
+  // (rank, expert) run: O(S log S) however many slots a rank has.
+  {
+    struct Key {
+      int rank, expert, slot;
+      bool operator<(Key const& o) const {
+        return rank != o.rank ? rank < o.rank : expert != o.expert ? expert < o.expert : slot < o.slot;
+      }
+    };
+    std::vector<Key> keys;
+    keys.reserve(static_cast<std::size_t>(source.num_slots()));
+    for (int s = 0; s < source.num_slots(); ++s) keys.push_back(Key{source.slot(s).rank, source.slot(s).expert, s});
+    std::sort(keys.begin(), keys.end());
+    std::vector<std::size_t> cursor(keys.size());  // at the first key of a run: its next candidate
+    for (std::size_t i = 0; i < keys.size(); ++i) cursor[i] = i;
+    for (int t = 0; t < T; ++t) {
+      if (decided[static_cast<std::size_t>(t)]) continue;
+      auto const& ts = target.slot(t);
+      Key const lo{ts.rank, ts.expert, -1};
+      auto const first = static_cast<std::size_t>(std::lower_bound(keys.begin(), keys.end(), lo) - keys.begin());
+      if (first == keys.size()) continue;
+      auto& c = cursor[first];
+      while (c < keys.size() && keys[c].rank == ts.rank && keys[c].expert == ts.expert && claimed[static_cast<std::size_t>(keys[c].slot)]) ++c;
+      if (c < keys.size() && keys[c].rank == ts.rank && keys[c].expert == ts.expert) {
+        claimed[static_cast<std::size_t>(keys[c].slot)] = 1;
+        set_step(t, MigrationAction::retain, keys[c].slot);
+        ++c;
+      }
     }
   }
   // Pass 3: copies, preferring the same rank, then the same node, then the lowest slot.
