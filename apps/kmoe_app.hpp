@@ -28,6 +28,23 @@
 
 namespace kmoe_app {
 
+/// Collective: every rank was started with the same arguments (a job whose
+/// ranks run different steps or decks would wait in different calls). Throws
+/// the same error on every rank, naming the ranks that differ from rank 0.
+inline void same_command_line(int argc, char* argv[]) {
+  std::string mine;
+  for (int i = 1; i < argc; ++i) mine += std::string(argv[i]) + '\n';
+  auto const all = KokkosMoE::allgather_strings(MPI_COMM_WORLD, mine, 300.0);
+  std::string differ;
+  for (std::size_t r = 1; r < all.size(); ++r)
+    if (all[r] != all[0]) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  KokkosMoE::agree(MPI_COMM_WORLD,
+                   differ.empty() || KokkosMoE::comm_rank(MPI_COMM_WORLD) != 0
+                       ? std::string()
+                       : "ranks [" + differ + "] were started with other arguments than rank 0; every rank must run the same command",
+                   "checking the command line", 300.0);
+}
+
 /// Runs body(rank) between MPI_Init/Kokkos initialization and finalization;
 /// returns the exit code.
 template <class Body>
@@ -38,6 +55,7 @@ int run(int argc, char* argv[], char const* name, Body&& body) {
     Kokkos::ScopeGuard guard(argc, argv);
     int const rank = KokkosMoE::comm_rank(MPI_COMM_WORLD);
     try {
+      same_command_line(argc, argv);
       rc = body(rank);
     } catch (KokkosMoE::CollectiveError const& e) {
       std::fprintf(stderr, "%s (rank %d): %s\n", name, rank, e.what());

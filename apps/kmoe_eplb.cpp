@@ -262,15 +262,16 @@ int main(int argc, char* argv[]) {
     app.add_option("--load", o.load_lists, "loads of one layer, comma-separated (repeat per layer)")
         ->allow_extra_args(false)
         ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-    app.add_option("--slots", o.slots, "physical slots per layer (default: number of experts)");
+    app.add_option("--slots", o.slots, "physical slots per layer (default: number of experts)")->check(CLI::PositiveNumber);
     app.add_option("--groups", o.groups, "expert groups (hierarchical EPLB)")->check(CLI::PositiveNumber);
     app.add_option("--nodes", o.nodes, "nodes")->check(CLI::PositiveNumber);
-    app.add_option("--ranks", o.ranks, "ranks (GPUs) of the EP communicator (default: MPI size)");
+    app.add_option("--ranks", o.ranks, "ranks (GPUs) of the EP communicator (default: MPI size)")->check(CLI::PositiveNumber);
     app.add_option("--policy", o.policy, "eplb | eplb_hierarchical | eplb_global | contiguous | round_robin | explicit");
     app.add_option("--placement", o.explicit_file, "slot list file for --policy explicit");
     app.add_option("--current", o.current_file, "current placement (slot list file; default contiguous)");
     app.add_option("--write-placement", o.write_file, "write the new placement as a slot list file");
-    app.add_option("--bytes-per-expert", o.bytes_per_expert, "parameter bytes of one expert (migration plan)");
+    app.add_option("--bytes-per-expert", o.bytes_per_expert, "parameter bytes of one expert (migration plan)")
+        ->check(CLI::NonNegativeNumber);
     app.add_option("--version", o.version, "checkpoint version written into the slots");
     app.add_option("--generation", o.generation, "generation id of the new placement");
     app.add_option("--write-loads", o.write_loads, "write the loads read (.h5/.hdf5: HDF5 \"/load\" [L, E]; else JSON)");

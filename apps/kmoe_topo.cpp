@@ -51,6 +51,11 @@ int main(int argc, char* argv[]) {
       spec = Setup::layout_spec(deck);
       cspec = Setup::comm_spec(deck);
     } else {
+      collective(MPI_COMM_WORLD, "command line", [&] {
+        KOKKOSMOE_REQUIRE(layout != "hwloc" || (ranks_per_node == 0 && node_of_rank.empty()),
+                          "--ranks-per-node and --node-of-rank declare nodes of a virtual or synthetic layout; "
+                          "--layout hwloc takes the nodes from the machine");
+      });
       spec.kind = from_string<Topology::LayoutKind>(layout);
       spec.ranks_per_node = ranks_per_node;
       spec.node_of_rank = node_of_rank;

@@ -163,10 +163,12 @@ std::unique_ptr<Transport<Exec, MemorySpace>> make_transport(TransportKind kind)
 #if defined(KOKKOSMOE_HAVE_NCCL) && defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same<Exec, Kokkos::Cuda>::value) {
     return std::make_unique<NcclTransport<MemorySpace>>();
-  }
+  } else
 #endif
-  KOKKOSMOE_THROW("exchange transport '" << to_string(kind) << "' needs the Kokkos::Cuda execution space; this exchange runs on "
-                                         << Exec::name());
+  {
+    KOKKOSMOE_THROW("exchange transport '" << to_string(kind) << "' needs the Kokkos::Cuda execution space; this exchange runs on "
+                                           << Exec::name());
+  }
 }
 
 }  // namespace Exchange

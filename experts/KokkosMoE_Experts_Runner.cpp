@@ -43,6 +43,13 @@ PaddedLayout padded_layout(std::vector<index_t> const& offs, RunnerOptions const
                                                                                  << " rows, above the capacity C = " << C
                                                                                  << " (runners never drop rows; admission enforces capacities)");
   index_t const Ca = round_up(C, o.alignment);
+  // The batch is L * C_a rows of the experts' width: say which settings
+  // made it too large instead of failing inside an allocation.
+  constexpr index_t most = index_t(1) << 31;
+  KOKKOSMOE_REQUIRE(Ca <= most / std::max<index_t>(1, static_cast<index_t>(L)),
+                    "Experts: padded runner: capacity " << C << " rounded up to alignment " << o.alignment << " gives " << Ca
+                                                        << " rows for each of " << L << " slots, more than " << most
+                                                        << " batch rows (experts.capacity / experts.alignment)");
   PaddedLayout lay;
   lay.capacity = C;
   lay.row_map.assign(static_cast<std::size_t>(Ca) * L, -1);
@@ -58,6 +65,9 @@ PaddedLayout block_layout(std::vector<index_t> const& offs, index_t block) {
   PaddedLayout lay;
   lay.offsets.assign(L + 1, 0);
   for (std::size_t q = 0; q < L; ++q) lay.offsets[q + 1] = lay.offsets[q] + round_up(offs[q + 1] - offs[q], block);
+  KOKKOSMOE_REQUIRE(lay.offsets[L] <= index_t(1) << 31, "Experts: block runner: block size " << block << " gives a batch of "
+                                                                                         << lay.offsets[L]
+                                                                                         << " rows, more than 2^31 (experts.block_size)");
   lay.row_map.assign(static_cast<std::size_t>(lay.offsets[L]), -1);
   for (std::size_t q = 0; q < L; ++q)
     for (index_t r = offs[q]; r < offs[q + 1]; ++r) lay.row_map[static_cast<std::size_t>(lay.offsets[q] + (r - offs[q]))] = r;

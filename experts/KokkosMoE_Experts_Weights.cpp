@@ -316,9 +316,13 @@ void save_weights_hdf5(MPI_Comm comm, std::string const& path, int num_experts, 
     KOKKOSMOE_REQUIRE(file.valid(), where << ": cannot create the file (does its directory exist and is it writable?)");
   });
 
+  // Every collective HDF5 call is followed by an agreement, so that after a
+  // failure on any rank (a full disk, say) all ranks stop at the same call
+  // and close the file together; no rank is ever left in an HDF5 collective
+  // the others skipped.
   std::size_t const per = tensor_elems(w), bytes = per * elem_bytes(w.dtype);
-  collective(comm, "ExpertWeights::save (write)", [&] {
-    hid_t const root = file.get();
+  hid_t const root = file.get();
+  collective(comm, "ExpertWeights::save (attributes)", [&] {
     write_string_attr(root, "format", format_name);
     write_int_attr(root, "format_version", format_version);
     write_int_attr(root, "num_experts", num_experts);
@@ -327,36 +331,37 @@ void save_weights_hdf5(MPI_Comm comm, std::string const& path, int num_experts, 
     write_string_attr(root, "dtype", to_string(w.dtype));
     write_array_attr(root, "checkpoint_version", H5T_STD_U64LE, H5T_NATIVE_UINT64, ver);
     write_array_attr(root, "content_digest", H5T_STD_U64LE, H5T_NATIVE_UINT64, dig);
-    Hid ftype = make_weight_type(w.dtype);
-    Hid mtype = make_weight_type(w.dtype);
-    Hid dxpl = collective_dxpl();
-    std::vector<unsigned char> buf(std::max<std::size_t>(own_experts.size(), 1) * bytes);
-    for (int t = 0; t < 3; ++t) {
-      hsize_t const r = static_cast<hsize_t>(t == 2 ? w.d : w.d_ff), c = static_cast<hsize_t>(t == 2 ? w.d_ff : w.d);
-      hsize_t const dims[3] = {static_cast<hsize_t>(num_experts), r, c};
-      Hid fspace(H5Screate_simple(3, dims, nullptr), H5Sclose);
-      Hid dset(H5Dcreate2(root, tensor_names[t], ftype.get(), fspace.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-               H5Dclose);
-      KOKKOSMOE_REQUIRE(dset.valid(), where << ": creating dataset " << tensor_names[t] << " " << shape_str(dims, 3)
-                                            << " failed");
+  });
+  Hid ftype = make_weight_type(w.dtype);
+  Hid mtype = make_weight_type(w.dtype);
+  Hid dxpl = collective_dxpl();
+  std::vector<unsigned char> buf(std::max<std::size_t>(own_experts.size(), 1) * bytes);
+  for (int t = 0; t < 3; ++t) {
+    hsize_t const r = static_cast<hsize_t>(t == 2 ? w.d : w.d_ff), c = static_cast<hsize_t>(t == 2 ? w.d_ff : w.d);
+    hsize_t const dims[3] = {static_cast<hsize_t>(num_experts), r, c};
+    Hid fspace(H5Screate_simple(3, dims, nullptr), H5Sclose);
+    Hid dset;
+    collective(comm, "ExpertWeights::save (dataset)", [&] {
+      dset = Hid(H5Dcreate2(root, tensor_names[t], ftype.get(), fspace.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
+      KOKKOSMOE_REQUIRE(dset.valid(), where << ": creating dataset " << tensor_names[t] << " " << shape_str(dims, 3) << " failed");
       write_string_attr(dset.get(), "dtype", to_string(w.dtype));
       std::vector<std::int64_t> const shape = {static_cast<std::int64_t>(dims[0]), static_cast<std::int64_t>(r),
                                                static_cast<std::int64_t>(c)};
       write_array_attr(dset.get(), "shape", H5T_STD_I64LE, H5T_NATIVE_INT64, shape);
       write_array_attr(dset.get(), "content_digest", H5T_STD_U64LE, H5T_NATIVE_UINT64, tdig[t]);
-      for (std::size_t i = 0; i < own_experts.size(); ++i)
-        std::memcpy(buf.data() + i * bytes, tensor_slot(w, t, own_slots[i]), bytes);
-      select_rows(fspace.get(), own_experts, r, c);
-      Hid mspace = mem_space_for(own_experts.size(), per);
+    });
+    for (std::size_t i = 0; i < own_experts.size(); ++i) std::memcpy(buf.data() + i * bytes, tensor_slot(w, t, own_slots[i]), bytes);
+    select_rows(fspace.get(), own_experts, r, c);
+    Hid mspace = mem_space_for(own_experts.size(), per);
+    collective(comm, "ExpertWeights::save (write)", [&] {
       KOKKOSMOE_REQUIRE(H5Dwrite(dset.get(), mtype.get(), mspace.get(), fspace.get(), dxpl.get(), buf.data()) >= 0,
-                        where << ": writing dataset " << tensor_names[t] << " (" << own_experts.size()
-                              << " experts from rank " << rank << ") failed");
-    }
-  });
-  collective(comm, "ExpertWeights::save (close)", [&] {
-    KOKKOSMOE_REQUIRE(H5Fclose(file.get()) >= 0, where << ": closing the file failed");
-    file = Hid();
-  });
+                        where << ": writing dataset " << tensor_names[t] << " (" << own_experts.size() << " experts from rank " << rank
+                              << ") failed");
+    });
+  }
+  // Every rank closes (a collective call); the outcome is agreed after.
+  bool const closed = file.close();
+  collective(comm, "ExpertWeights::save (close)", [&] { KOKKOSMOE_REQUIRE(closed, where << ": closing the file failed"); });
 }
 
 void load_weights_hdf5(MPI_Comm comm, std::string const& path, HostWeightsRef const& w,
@@ -482,10 +487,8 @@ void load_weights_hdf5(MPI_Comm comm, std::string const& path, HostWeightsRef co
   });
   for (auto& ds : dsets) ds.reset();
   mtype.reset();
-  collective(comm, "ExpertWeights::load (close)", [&] {
-    KOKKOSMOE_REQUIRE(H5Fclose(file.get()) >= 0, where << ": closing the file failed");
-    file = Hid();
-  });
+  bool const closed = file.close();
+  collective(comm, "ExpertWeights::load (close)", [&] { KOKKOSMOE_REQUIRE(closed, where << ": closing the file failed"); });
 }
 
 #else

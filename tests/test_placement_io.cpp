@@ -86,6 +86,11 @@ TEST_CASE("Load JSON: formats and errors", "[placement][io]") {
   CHECK(error_of_json(R"({"layers": [{"lod": [1]}]})").find("layer 0: expected an object with \"load\"") !=
         std::string::npos);
 
+  // Strict JSON: a key given twice, or a NUL byte (and whatever follows it).
+  CHECK(error_of_json(R"({"load": [1, 2], "load": [3, 4]})").find("key \"load\" appears twice in one object") != std::string::npos);
+  CHECK(error_of_json(R"({"layers": [{"load": [1], "load": [2]}]})").find("appears twice") != std::string::npos);
+  CHECK(error_of_json(std::string("{\"load\": [1, 2]}\0garbage", 24)).find("a NUL byte at offset 16") != std::string::npos);
+
   // A load estimate writes the same format.
   auto est = LoadEstimate::cumulative(2, 3, "prefill", 1);
   est.observe(0, {{1, 2, 3}, {4, 5, 6}});

@@ -215,6 +215,30 @@ std::string collective_error_of(F&& f) {
 
 }  // namespace
 
+TEST_CASE("Migration plan: byte sizes that would overflow the totals are refused", "[placement][migration]") {
+  Placement const a = Placement::contiguous(8, 2, {0, 1}), b = Placement::round_robin(8, 2, {0, 1});
+  CHECK_NOTHROW(plan_migration(a, b, std::int64_t(1) << 40));
+  CHECK_THROWS_WITH(plan_migration(a, b, std::int64_t(1) << 62), Catch::Matchers::Contains("cannot overflow"));
+  CHECK_THROWS_WITH(plan_migration(a, b, -1), Catch::Matchers::Contains("< 0"));
+}
+
+TEST_CASE("Migration plan: many slots per rank (same-rank retention through sorted runs)", "[placement][migration]") {
+  // 2 ranks, 40000 experts each with a copy; the target swaps which copy is
+  // first: every target slot is retained on its rank, none is copied.
+  int const E = 80000, R = 2;
+  std::vector<SlotInfo> src, tgt;
+  for (int e = 0; e < E; ++e) src.push_back(SlotInfo{e, e % R, -1, 0, 0});
+  for (int e = E - 1; e >= 0; --e) tgt.push_back(SlotInfo{e, e % R, -1, 0, 0});
+  Placement const a(E, R, src, {0, 0}), b(E, R, tgt, {0, 0});
+  auto const plan = plan_migration(a, b, 16);
+  std::int64_t retained = 0;
+  for (auto const& st : plan.steps) {
+    retained += st.action == MigrationAction::retain ? 1 : 0;
+    CHECK(a.slot(st.source_slot).expert == st.expert);
+  }
+  CHECK(retained == E);
+}
+
 TEST_CASE("Migration plan: actions, source preference, bytes and peak", "[placement][migration]") {
   // 4 ranks on nodes {0,1},{2,3}; pure planning, identical on every rank.
   std::vector<SlotInfo> src;

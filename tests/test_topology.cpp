@@ -115,6 +115,18 @@ TEST_CASE("virtual layouts: 2-rank nodes, node-major order, one relay per node",
   CHECK(std::count(table.begin(), table.end(), '\n') == size + 1);
 }
 
+TEST_CASE("bad layouts are refused before anything is sized by them", "[topology][errors]") {
+  KokkosMoE::Topology::LayoutSpec s;
+  s.kind = KokkosMoE::Topology::LayoutKind::virtual_nodes;
+  s.node_of_rank = {0, 200000000};
+  CHECK_THROWS_WITH(KokkosMoE::Topology::Topology::simulated(2, s), Catch::Matchers::Contains("rank 1 is on node 200000000, but 2 ranks fill at most nodes 0..1"));
+  KokkosMoE::Topology::LayoutSpec syn;
+  syn.kind = KokkosMoE::Topology::LayoutKind::synthetic;
+  syn.ranks_per_node = 1;
+  syn.synthetic = "pack:65536 core:65536 pu:65536";
+  CHECK_THROWS_WITH(KokkosMoE::Topology::Topology::simulated(1, syn), Catch::Matchers::Contains("describes more than 1048576 objects per node"));
+}
+
 TEST_CASE("virtual layouts 2x2, 4x2, uneven 3+1 and rail relays (simulated)", "[topology][virtual]") {
   SECTION("2x2") {
     auto t = KokkosMoE::Topology::Topology::simulated(4, virtual_rpn(2));

@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <sstream>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -104,6 +106,28 @@ std::string list_string(hwloc_const_bitmap_t set) {
   return s;
 }
 
+/// A synthetic description ("pack:2 numa:2 core:8 pu:2") must describe a
+/// node of at most 2^20 objects: hwloc would otherwise build (or spin on)
+/// whatever product of counts it is given.
+void check_synthetic_size(std::string const& text) {
+  constexpr double most = 1 << 20;
+  double level = 1, total = 1;
+  std::istringstream in(text);
+  std::string token;
+  while (in >> token) {
+    auto const colon = token.find(':');
+    if (colon == std::string::npos) continue;  // hwloc reports malformed tokens itself
+    std::size_t end = colon + 1;
+    while (end < token.size() && std::isdigit(static_cast<unsigned char>(token[end]))) ++end;
+    if (end == colon + 1) continue;
+    level *= std::stod(token.substr(colon + 1, end - colon - 1));
+    total += level;
+    KOKKOSMOE_REQUIRE(total <= most, "synthetic topology '" << (text.size() > 200 ? text.substr(0, 200) + "..." : text)
+                                                          << "' describes more than " << static_cast<long>(most)
+                                                          << " objects per node");
+  }
+}
+
 /// Loads the real machine or the spec's synthetic/XML description.
 std::unique_ptr<HwlocTopology> load_hwloc(LayoutSpec const& spec, std::string& source) {
   auto h = std::make_unique<HwlocTopology>();
@@ -116,6 +140,7 @@ std::unique_ptr<HwlocTopology> load_hwloc(LayoutSpec const& spec, std::string& s
     KOKKOSMOE_REQUIRE(spec.synthetic.empty() || spec.xml_file.empty(),
                       "synthetic topology layout takes a synthetic description or an XML file, not both");
     if (!spec.synthetic.empty()) {
+      check_synthetic_size(spec.synthetic);
       KOKKOSMOE_REQUIRE(hwloc_topology_set_synthetic(h->topo, spec.synthetic.c_str()) == 0,
                         "hwloc cannot parse the synthetic description '" << spec.synthetic << "'");
       source = "synthetic:" + spec.synthetic;
@@ -328,6 +353,10 @@ std::vector<int> resolve_node_of_rank(LayoutSpec const& spec, int nranks) {
   int max_node = -1;
   for (int r = 0; r < nranks; ++r) {
     KOKKOSMOE_REQUIRE(node[r] >= 0, "rank " << r << " belongs to no node");
+    // Nodes are contiguous from 0 and hold at least one rank each, so no id
+    // reaches the rank count (checked before anything is sized by it).
+    KOKKOSMOE_REQUIRE(node[r] < nranks, "rank " << r << " is on node " << node[r] << ", but " << nranks
+                                                << " ranks fill at most nodes 0.." << nranks - 1);
     max_node = std::max(max_node, node[r]);
   }
   std::vector<int> count(static_cast<std::size_t>(max_node + 1), 0);

@@ -53,6 +53,13 @@ class Hid {
     if (id_ >= 0 && close_) close_(id_);
     id_ = -1;
   }
+  /// \brief Closes now and reports whether the close function succeeded
+  /// (the identifier is given up either way, never closed twice).
+  bool close() {
+    hid_t const id = id_;
+    id_ = -1;
+    return id < 0 || !close_ || close_(id) >= 0;
+  }
 
  private:
   hid_t id_ = -1;

@@ -309,9 +309,11 @@ void parse_exchange(Reader& r, LayerDeck& d) {
 /// [experts]
 void parse_experts(Reader& r, LayerDeck& d) {
   d.experts.runner = r.option("experts.runner", Experts::RunnerKind::grouped);
-  d.experts.capacity = r.integer("experts.capacity", 0, 0, big);
-  d.experts.alignment = r.integer("experts.alignment", 1, 1, big);
-  d.experts.block_size = r.integer("experts.block_size", 128, 1, big);
+  // Rows per slot: far above any batch, low enough that L * rows cannot overflow.
+  constexpr std::int64_t rows_limit = std::int64_t(1) << 24;
+  d.experts.capacity = r.integer("experts.capacity", 0, 0, rows_limit);
+  d.experts.alignment = r.integer("experts.alignment", 1, 1, rows_limit);
+  d.experts.block_size = r.integer("experts.block_size", 128, 1, rows_limit);
   d.experts.gemm = r.option("experts.gemm", GemmPath::automatic);
   d.experts.weights = r.string("experts.weights", "");
   d.experts.save_weights = r.string("experts.save_weights", "");

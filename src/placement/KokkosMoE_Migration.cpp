@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace KokkosMoE {
@@ -48,8 +49,14 @@ MigrationPlan plan_migration(Placement const& source, Placement const& target,
   int const E = source.num_experts(), R = source.num_ranks();
   KOKKOSMOE_REQUIRE(static_cast<int>(bytes_of_expert.size()) == E,
                     "migration plan: " << bytes_of_expert.size() << " byte sizes for " << E << " experts");
+  // Byte totals sum over every slot of both placements: bound each size so
+  // that no total overflows.
+  std::int64_t const most = std::numeric_limits<std::int64_t>::max() / (std::int64_t(source.num_slots()) + target.num_slots() + 1);
   for (int e = 0; e < E; ++e)
-    KOKKOSMOE_REQUIRE(bytes_of_expert[e] >= 0, "migration plan: expert " << e << " has " << bytes_of_expert[e] << " bytes");
+    KOKKOSMOE_REQUIRE(bytes_of_expert[e] >= 0 && bytes_of_expert[e] <= most,
+                      "migration plan: expert " << e << " has " << bytes_of_expert[e] << " bytes; sizes must be in [0, " << most
+                                                << "] so that the byte totals of " << source.num_slots() << " + "
+                                                << target.num_slots() << " slots cannot overflow");
   std::vector<int> const node = nodes_of_ranks(source, target);
 
   MigrationPlan plan;

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <vector>
 
 namespace KokkosMoE {
 
@@ -21,12 +22,33 @@ using json = nlohmann::json;
 
 namespace {
 
+/// Strict JSON: no NUL byte anywhere (nothing is read past one), and no key
+/// twice in an object (a later value would silently replace the first).
 json parse_json(std::string const& text, std::string const& origin, char const* what) {
+  auto const nul = text.find('\0');
+  KOKKOSMOE_REQUIRE(nul == std::string::npos, "malformed " << what << " '" << origin << "': a NUL byte at offset " << nul);
+  std::vector<std::set<std::string>> keys;  // per open object
+  std::string duplicate;
+  auto check = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      keys.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      if (!keys.empty()) keys.pop_back();
+    } else if (event == json::parse_event_t::key && !keys.empty() && duplicate.empty()) {
+      std::string const k = parsed.get<std::string>();
+      if (!keys.back().insert(k).second) duplicate = k;
+    }
+    return true;
+  };
+  json j;
   try {
-    return json::parse(text);
+    j = json::parse(text, check);
   } catch (json::parse_error const& e) {
     KOKKOSMOE_THROW("malformed " << what << " '" << origin << "': " << e.what());
   }
+  KOKKOSMOE_REQUIRE(duplicate.empty(), "malformed " << what << " '" << origin << "': key \"" << duplicate
+                                                    << "\" appears twice in one object");
+  return j;
 }
 
 void require_keys(json const& obj, std::set<std::string> const& allowed, std::string const& where) {

@@ -26,6 +26,11 @@ struct DeckReader::State {
 
 namespace {
 
+/// A user's string as shown in a message: at most 120 characters.
+std::string shown(std::string const& s) {
+  return s.size() <= 120 ? s : s.substr(0, 120) + "... (" + std::to_string(s.size()) + " characters)";
+}
+
 constexpr std::int64_t big = std::numeric_limits<std::int32_t>::max();
 
 toml::node const* find_node(toml::table const& table, std::string const& key) {
@@ -161,7 +166,7 @@ std::string DeckReader::string(std::string const& key, std::string const& def) {
 std::string const& DeckReader::check_choice(std::string const& key, std::string const& v, std::vector<std::string> const& choices) const {
   if (std::find(choices.begin(), choices.end(), v) == choices.end()) {
     std::ostringstream os;
-    os << "'" << v << "' is not one of";
+    os << "'" << shown(v) << "' is not one of";
     for (auto const& c : choices) os << " '" << c << "'";
     fail(key, os.str());
   }
@@ -287,7 +292,7 @@ void check_unused(DeckReader const& r, std::string const& path, std::set<std::st
     std::ostringstream os;
     os << path;
     if (kv.first.source().begin.line > 0) os << ":" << kv.first.source().begin.line << ":" << kv.first.source().begin.column;
-    KOKKOSMOE_THROW(os.str() << ": unknown key '" << r.full(key) << "'");
+    KOKKOSMOE_THROW(os.str() << ": unknown key '" << shown(r.full(key)) << "'");
   }
 }
 
