@@ -60,6 +60,19 @@ std::vector<float> forward_once(LayerDeck const& deck, MPI_Comm comm, index_t fi
   return v;
 }
 
+/// A fp32 layer's ingredients from the test deck on MPI_COMM_WORLD.
+struct LayerParts {
+  LayerDeck deck;
+  Setup::Run setup;
+  RowMatrix<float, MS> router_weight;
+  Experts::ExpertWeights<float, MS> routed;
+  LayerParts(std::string const& algorithm, int size, int rank)
+      : deck(parse_layer_deck("layer-test", deck_text("fp32", "fp32", algorithm, size), size)),
+        setup(Setup::make_run(deck, MPI_COMM_WORLD)),
+        router_weight(Setup::router_weight<float, MS>(deck)),
+        routed(Setup::routed_weights<float, MS>(Exec(), deck, setup.placement, rank, MPI_COMM_WORLD)) {}
+};
+
 }  // namespace
 
 TEST_CASE("distributed layer equals a single-rank evaluation of the same global tokens", "[layer]") {
@@ -105,14 +118,14 @@ TEST_CASE("distributed layer equals a single-rank evaluation of the same global 
 TEST_CASE("the layer rejects bad inputs on every rank without a hang", "[layer][errors]") {
   int const size = kmoe_test::world_size();
   int const rank = kmoe_test::world_rank();
-  auto const deck = parse_layer_deck("layer-test", deck_text("fp32", "fp32", "flat", size), size);
+  LayerParts parts("flat", size, rank);
+  auto const& deck = parts.deck;
   Exec exec;
-  auto setup = Setup::make_run(deck, MPI_COMM_WORLD);
-  auto const& comms = *setup.comms;
-  auto const& placement = setup.placement;
-  auto const& config = setup.config;
-  auto rw = Setup::router_weight<float, MS>(deck);
-  auto routed = Setup::routed_weights<float, MS>(exec, deck, placement, rank, MPI_COMM_WORLD);
+  auto const& comms = *parts.setup.comms;
+  auto const& placement = parts.setup.placement;
+  auto const& config = parts.setup.config;
+  auto const& rw = parts.router_weight;
+  auto const& routed = parts.routed;
   MoELayer<float, Exec, MS> layer(config, comms, placement, rw, routed);
   // Rank 0 passes rows of the wrong width: every rank fails.
   int const width = rank == 0 ? deck.model.hidden + 1 : deck.model.hidden;
@@ -143,11 +156,12 @@ TEST_CASE("the layer rejects bad inputs on every rank without a hang", "[layer][
 TEST_CASE("the transport is chosen by configuration; one this build lacks fails on every rank", "[layer][transport]") {
   int const size = kmoe_test::world_size();
   int const rank = kmoe_test::world_rank();
-  auto const deck = parse_layer_deck("layer-test", deck_text("fp32", "fp32", "hierarchical", size), size);
+  LayerParts parts("hierarchical", size, rank);
+  auto const& deck = parts.deck;
+  auto const& setup = parts.setup;
+  auto const& rw = parts.router_weight;
+  auto const& routed = parts.routed;
   Exec exec;
-  auto setup = Setup::make_run(deck, MPI_COMM_WORLD);
-  auto rw = Setup::router_weight<float, MS>(deck);
-  auto routed = Setup::routed_weights<float, MS>(exec, deck, setup.placement, rank, MPI_COMM_WORLD);
   auto config = setup.config;
   CHECK(config.exchange.transport == Exchange::TransportKind::mpi);
   {
