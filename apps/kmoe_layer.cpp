@@ -109,7 +109,7 @@ class LayerRun {
         setup_(Setup::make_run(deck, world_)),
         router_weight_(Setup::router_weight<T, MS>(deck)),
         layer_(setup_.config, *setup_.comms, setup_.placement, router_weight_,
-               Setup::routed_weights<T, MS>(exec_, deck, setup_.placement, rank_, world_), Setup::shared_weights<T, MS>(exec_, deck)) {
+               Setup::routed_weights<T, MS>(exec_, deck, setup_, rank_, world_), Setup::shared_weights<T, MS>(exec_, deck)) {
     algorithms_ = deck.run.compare;
     if (algorithms_.empty())
       algorithms_.push_back(opt.algorithm.empty() ? deck.exchange.algorithm : from_string<Exchange::Algorithm>(opt.algorithm));

@@ -20,6 +20,7 @@
 /// replicas of one expert are bitwise identical on any rank and at any rank
 /// count, and carry the same digest.
 
+#include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_EnumNames.hpp>
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
@@ -56,6 +57,13 @@ constexpr WeightDType weight_dtype_of() {
                 "Experts: weights are stored as float or bf16_t");
   return std::is_same<T, float>::value ? WeightDType::fp32 : WeightDType::bf16;
 }
+
+/// \brief What the ranks load weights for; ExpertWeights::load checks that
+/// every rank holds the same before it reads anything.
+struct LoadContext {
+  std::uint64_t epoch = 0;       ///< communicator epoch of the ranks' communicator set
+  std::uint64_t generation = 0;  ///< placement generation the slots belong to
+};
 
 namespace Impl {
 
@@ -300,7 +308,12 @@ class ExpertWeights {
   /// object's, an expert id is out of range, or a digest does not match the
   /// bytes read (the message names file, dataset and both values), or when
   /// these are scalar test experts. The tensors are unchanged when it throws.
-  void load(MPI_Comm comm, std::string const& path) {
+  /// Before the file is opened, the ranks agree on `context` (the
+  /// communicator epoch and placement generation they load for): a rank that
+  /// holds a stale one makes every rank throw CollectiveError naming it.
+  void load(MPI_Comm comm, std::string const& path, LoadContext const& context = LoadContext()) {
+    std::string const region = "expert weights load of '" + path + "'";
+    agree_same(comm, region.c_str(), {{"communicator epoch", context.epoch}, {"placement generation", context.generation}});
     auto hg = Kokkos::create_mirror(Kokkos::HostSpace(), gate_);
     auto hu = Kokkos::create_mirror(Kokkos::HostSpace(), up_);
     auto hd = Kokkos::create_mirror(Kokkos::HostSpace(), down_);

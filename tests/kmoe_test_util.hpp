@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <mpi.h>
 
+#include <cstring>
 #include <fstream>
 #include <stdexcept>
 #include <string>
@@ -30,6 +31,15 @@ inline KokkosMoE::PlacementSpec eplb_spec(int slots, int groups, int nodes, int 
   spec.nodes = nodes;
   spec.ranks = ranks;
   return spec;
+}
+
+/// Same element count and the same bits (NaN payloads included); empty
+/// sequences (a rank without tokens) are equal without touching their data.
+template <class A, class B>
+bool same_bits(A const& a, B const& b) {
+  static_assert(sizeof(*a.data()) == sizeof(*b.data()), "same_bits compares sequences of equally sized elements");
+  if (static_cast<std::size_t>(a.size()) != static_cast<std::size_t>(b.size())) return false;
+  return a.size() == 0 || std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(*a.data())) == 0;
 }
 
 inline std::string data_path(std::string const& name) { return std::string(KMOE_TEST_DATA_DIR) + "/" + name; }

@@ -126,7 +126,7 @@ TEST_CASE("row kit: gathers and scatters equal a plain loop for every conversion
     PayloadBuffer<MS> moved("moved", t, d, n);
     gather_rows(exec, wire, KOKKOS_LAMBDA(index_t p)->index_t { return p; }, moved, "test::copy");
     auto hm = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), moved.bytes);
-    CHECK(std::memcmp(hm.data(), hw.data(), hw.size()) == 0);
+    CHECK(kmoe_test::same_bits(hm, hw));
   }
   // Typed to typed: bf16 rows round to nearest even, float to float is exact.
   auto bf = random_rows<bf16_t>(n, d, 9);
@@ -210,4 +210,19 @@ TEST_CASE("option names: one table per enum, round trips, clear errors", "[core]
   CHECK_THROWS_WITH(from_string<Exchange::TransportKind>("ucx"),
                     Catch::Matchers::StartsWith("KokkosMoE error: unknown exchange transport 'ucx' (expected 'mpi' or 'nccl')"));
   CHECK(quoted_alternatives({"a", "b", "c"}) == "'a', 'b' or 'c'");
+}
+
+TEST_CASE("row kit: fp8 rows without their scales are refused before any row moves", "[core][rowkit][fault]") {
+  Exec exec;
+  int const n = 4, d = 8;
+  PayloadBuffer<MS> fp8;
+  fp8.type = PayloadType::fp8_row;
+  fp8.width = d;
+  fp8.bytes = PayloadBuffer<MS>::bytes_view("fp8 without scales", n, d);  // d elements, no FP32 scale
+  RowMatrix<float, MS> x("x", n, d);
+  Kokkos::deep_copy(x, -1.0f);
+  CHECK_THROWS_WITH(scatter_rows(exec, fp8, KOKKOS_LAMBDA(index_t p)->index_t { return p; }, x, "test::decode"),
+                    Catch::Matchers::Contains("payload rows of 8 bytes, but fp8_row rows of width 8 are 12 bytes (elements and their FP32 scales)"));
+  auto h = host_floats(x);
+  for (float v : h) CHECK(v == -1.0f);  // nothing was decoded
 }

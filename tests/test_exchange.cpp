@@ -255,8 +255,8 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
           auto rh = run_step(hier, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
           auto of = to_host_vector(rf.out), oh = to_host_vector(rh.out);
           REQUIRE(of.size() == ref.size());
-          CHECK(std::memcmp(of.data(), ref.data(), of.size() * sizeof(float)) == 0);
-          CHECK(std::memcmp(oh.data(), ref.data(), oh.size() * sizeof(float)) == 0);
+          CHECK(kmoe_test::same_bits(of, ref));
+          CHECK(kmoe_test::same_bits(oh, ref));
           CHECK(rh.arrival_ids == rf.arrival_ids);
           // Pooled waves with factors large enough for no drops.
           auto pc = fp32;
@@ -269,7 +269,7 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
           REQUIRE(pooled.shape().local_experts == 3);
           auto rp = run_step(pooled, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
           auto op = to_host_vector(rp.out);
-          CHECK(std::memcmp(op.data(), ref.data(), op.size() * sizeof(float)) == 0);
+          CHECK(kmoe_test::same_bits(op, ref));
           auto lp = rp.ledger.reduced(MPI_COMM_WORLD);
           CHECK(lp.dispatch.sender_drops == 0);
           CHECK(lp.dispatch.receiver_drops == 0);
@@ -660,7 +660,7 @@ TEST_CASE("pooled-wave: narrow rows take several header rows; huge factors satur
     auto const rp = run_step(pooled, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
     auto const of = to_host_vector(rf.out), op = to_host_vector(rp.out);
     REQUIRE(of.size() == op.size());
-    CHECK(std::memcmp(of.data(), op.data(), of.size() * sizeof(float)) == 0);
+    CHECK(kmoe_test::same_bits(of, op));
     auto const total = rp.ledger.reduced(MPI_COMM_WORLD);
     CHECK(total.dispatch.sender_drops + total.dispatch.receiver_drops == 0);
     CHECK(total.dispatch.stages.at(0).header_rows == size * size * sh.header_rows);  // every rank sends P pools

@@ -76,7 +76,7 @@ TEST_CASE("device buffers: MPI (CUDA-aware or staged) and NCCL match", "[exchang
   }
 #if defined(KOKKOSMOE_HAVE_NCCL) && defined(KOKKOS_ENABLE_CUDA)
   auto nccl = device_step(comms, placement, rank, TransportKind::nccl);
-  CHECK(std::memcmp(nccl.data(), mpi.data(), mpi.size() * sizeof(float)) == 0);
+  CHECK(kmoe_test::same_bits(nccl, mpi));
 #endif
   INFO("CUDA-aware MPI: " << mpi_is_cuda_aware());
 }

@@ -8,12 +8,14 @@
 #include "kmoe_catch.hpp"
 #include "kmoe_test_util.hpp"
 
+#include <KokkosMoE_Experts_Canary.hpp>
 #include <KokkosMoE_Experts_Reference.hpp>
 #include <KokkosMoE_Experts_Runner.hpp>
 #include <KokkosMoE_Experts_Weights.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -44,6 +46,12 @@ Kokkos::View<index_t*, Mem> make_offsets(std::vector<index_t> const& counts) {
   for (std::size_t q = 0; q < counts.size(); ++q) h(q + 1) = h(q) + counts[q];
   Kokkos::deep_copy(o, h);
   return o;
+}
+
+template <class V>
+std::vector<float> to_host(V const& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  return std::vector<float>(h.data(), h.data() + h.size());
 }
 
 std::vector<int> iota_experts(int L, int first = 0) {
@@ -417,4 +425,95 @@ TEST_CASE("random initialisation depends only on (seed, logical expert)", "[expe
   a.refresh_digests();
   CHECK(a.digest(0) != before);
   CHECK(a.digest(1) == b.digest(0));
+}
+
+TEST_CASE("runner parity canary: a matching candidate serves", "[experts][canary]") {
+  std::mt19937 rng(77);
+  int const d = 48, d_ff = 96;
+  std::vector<index_t> const counts{5, 0, 7, 1};
+  ExpertWeights<float, Mem> w("canary", iota_experts(4), d, d_ff);
+  w.randomize(21);
+  auto const X = random_rows<float>(13, d, rng);
+  auto const offsets = make_offsets(counts);
+  RunnerOptions blas, grouped;
+  blas.kind = RunnerKind::blas;
+  RunnerGate<> gate(blas);
+  CHECK(gate.reference_serves());
+  auto const r = gate.admit(Kokkos::DefaultExecutionSpace(), grouped, w, X, offsets);
+  INFO(r.summary());
+  CHECK(r.passed);
+  CHECK(r.violations == 0);
+  CHECK(r.rows == 13);
+  CHECK_FALSE(gate.reference_serves());
+  CHECK(gate.serving().kind == RunnerKind::grouped);
+  CHECK(gate.blocked().empty());
+  // The gate now runs the candidate: the same bits as the candidate alone.
+  RowMatrix<float> y("y", 13, d), want("want", 13, d);
+  auto const ledger = gate.run(Kokkos::DefaultExecutionSpace(), w, X, offsets, y);
+  CHECK(ledger.kind == RunnerKind::grouped);
+  Runner<> alone(grouped);
+  alone.run(w, X, offsets, want);
+  CHECK(kmoe_test::same_bits(to_host(y), to_host(want)));
+}
+
+TEST_CASE("runner parity canary: a candidate beyond its tolerance is blocked, the reference keeps serving",
+          "[experts][canary][fault]") {
+  std::mt19937 rng(78);
+  int const d = 64, d_ff = 160;
+  std::vector<index_t> const counts{9, 3, 0, 12};
+  ExpertWeights<float, Mem> w("canary", iota_experts(4), d, d_ff);
+  w.randomize(22);
+  auto const X = random_rows<float>(24, d, rng);
+  auto const offsets = make_offsets(counts);
+  RunnerOptions blas, grouped;
+  blas.kind = RunnerKind::blas;
+  RowMatrix<float> want("want", 24, d);
+  Runner<>(blas).run(w, X, offsets, want);
+
+  SECTION("outputs differ beyond a zero tolerance") {
+    // Both runners accumulate in FP32 in different orders: their outputs
+    // differ in the last bits, which a zero tolerance does not allow.
+    RunnerGate<> gate(blas, ParityTolerance{0.0, 0.0});
+    auto const r = gate.admit(Kokkos::DefaultExecutionSpace(), grouped, w, X, offsets);
+    INFO(r.summary());
+    REQUIRE_FALSE(r.passed);
+    CHECK(r.violations > 0);
+    CHECK(r.max_abs_error > 0);
+    CHECK(r.worst_row >= 0);
+    CHECK_THAT(r.summary(), Catch::Matchers::Contains("differs from 'blas") && Catch::Matchers::Contains("canary rows; worst at row"));
+    CHECK(gate.reference_serves());
+    REQUIRE(gate.blocked().size() == 1);
+    RowMatrix<float> y("y", 24, d);
+    CHECK(gate.run(Kokkos::DefaultExecutionSpace(), w, X, offsets, y).kind == RunnerKind::blas);
+    CHECK(kmoe_test::same_bits(to_host(y), to_host(want)));  // the reference serves
+    // The blocked candidate is refused from now on.
+    CHECK_THROWS_WITH(gate.admit(Kokkos::DefaultExecutionSpace(), grouped, w, X, offsets),
+                      Catch::Matchers::Contains("RunnerGate: runner grouped(kernel=auto, isa=auto, column_groups=0) is blocked: runner"));
+  }
+  SECTION("a candidate that fails on the canary") {
+    RunnerGate<> gate(blas);
+    RunnerOptions small;
+    small.kind = RunnerKind::padded;
+    small.capacity = 4;  // segments of 9 and 12 rows do not fit
+    auto const r = gate.admit(Kokkos::DefaultExecutionSpace(), small, w, X, offsets);
+    CHECK_FALSE(r.passed);
+    CHECK_THAT(r.error, Catch::Matchers::Contains("capacity"));
+    CHECK_THAT(r.summary(), Catch::Matchers::Contains("failed on the canary batch (24x64 rows)"));
+    CHECK(gate.reference_serves());
+    RowMatrix<float> y("y", 24, d);
+    gate.run(Kokkos::DefaultExecutionSpace(), w, X, offsets, y);
+    CHECK(kmoe_test::same_bits(to_host(y), to_host(want)));
+  }
+}
+
+TEST_CASE("runner parity: element comparison with NaN and infinities", "[experts][canary]") {
+  ParityTolerance const tol{1e-3, 0.0};
+  float const inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(compare_outputs({1.0f, nan, inf}, {1.0005f, nan, inf}, 1, 3, tol).passed);
+  auto const r = compare_outputs({1.0f, 0.0f, -inf, 2.0f}, {1.0f, nan, inf, 2.01f}, 2, 2, tol);
+  CHECK(r.violations == 3);
+  CHECK(r.worst_row == 0);  // the first non-finite mismatch
+  CHECK(r.worst_col == 1);
+  CHECK(std::isinf(r.max_abs_error));
+  CHECK_THROWS_WITH(compare_outputs({1.0f}, {1.0f, 2.0f}, 1, 2, tol), Catch::Matchers::Contains("compare_outputs: 1 and 2 values"));
 }

@@ -8,6 +8,7 @@
 
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Experts_Weights.hpp>
+#include <KokkosMoE_Topology_Communicators.hpp>
 #include <KokkosMoE_config.hpp>
 
 #ifdef KOKKOSMOE_HAVE_HDF5
@@ -66,8 +67,7 @@ bool same_content(ExpertWeights<T, Mem> const& a, ExpertWeights<T, Mem> const& b
   auto cmp = [](auto const& x, auto const& y) {
     auto hx = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
     auto hy = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
-    if (hx.size() != hy.size()) return false;
-    return std::memcmp(hx.data(), hy.data(), hx.size() * sizeof(T)) == 0;
+    return kmoe_test::same_bits(hx, hy);
   };
   return cmp(a.gate(), b.gate()) && cmp(a.up(), b.up()) && cmp(a.down(), b.down());
 }
@@ -143,6 +143,37 @@ TEST_CASE("weights round trip through parallel HDF5 (bf16)", "[experts][hdf5][bf
 }
 
 #ifdef KOKKOSMOE_HAVE_HDF5
+
+TEST_CASE("a rank loading for a stale communicator epoch is rejected on every rank", "[experts][hdf5][fault]") {
+  std::string const path = temp_path("epoch");
+  ExpertWeights<float, Mem> saved("saved", save_layout(), 8, 12);
+  saved.randomize(5, 1);
+  saved.save(MPI_COMM_WORLD, path, num_experts);
+  // The communicator set is rebuilt; one rank kept the old one.
+  auto const topo = KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD);
+  KokkosMoE::Topology::CommunicatorSet old_set(MPI_COMM_WORLD, topo, KokkosMoE::Topology::CommSpec());
+  KokkosMoE::Topology::CommunicatorSet new_set(MPI_COMM_WORLD, topo, KokkosMoE::Topology::CommSpec());
+  REQUIRE(new_set.epoch() != old_set.epoch());
+  int const stale_rank = kmoe_test::world_size() > 1 ? 1 : -1;
+  auto const& mine = kmoe_test::world_rank() == stale_rank ? old_set : new_set;
+  ExpertWeights<float, Mem> w("loaded", load_layout(), 8, 12);
+  Kokkos::deep_copy(w.gate(), 3.0f);
+  std::string const msg = collective_failure([&] { w.load(MPI_COMM_WORLD, path, LoadContext{mine.epoch(), 4}); });
+  if (stale_rank < 0) {
+    CHECK(msg.empty());  // one rank: nothing can differ
+  } else {
+    CHECK_THAT(msg, Catch::Matchers::Contains("expert weights load of '" + path + "'") &&
+                        Catch::Matchers::Contains("the ranks differ in communicator epoch;") &&
+                        Catch::Matchers::Contains("rank 1: the ranks differ in communicator epoch; this rank holds communicator epoch " +
+                                                  std::to_string(old_set.epoch()) + ", placement generation 4"));
+    // Nothing was read.
+    auto hg = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), w.gate());
+    for (std::size_t i = 0; i < hg.size(); ++i) REQUIRE(hg.data()[i] == 3.0f);
+  }
+  // With the live epoch everywhere, the same load succeeds.
+  CHECK(collective_failure([&] { w.load(MPI_COMM_WORLD, path, LoadContext{new_set.epoch(), 4}); }).empty());
+  remove_file(path);
+}
 
 TEST_CASE("damaged or mismatched checkpoints are rejected on every rank", "[experts][hdf5][errors]") {
   std::string const path = temp_path("bad");

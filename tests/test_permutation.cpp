@@ -176,7 +176,7 @@ TEST_CASE("dispatch_v17 in the explicit peer order [2, 0, 3, 1]", "[permutation]
     combine(Exec(), sim[r].routes, sim[r].dispatch, sim[r].returned, a);
     combine(Exec(), base[r].routes, base[r].dispatch, base[r].returned, b);
     auto ha = to_host_vector(a), hb = to_host_vector(b);
-    CHECK(std::memcmp(ha.data(), hb.data(), ha.size() * sizeof(float)) == 0);
+    CHECK(kmoe_test::same_bits(ha, hb));
   }
 }
 
@@ -394,12 +394,12 @@ TEST_CASE("random plans: inverses, conservation, direct agreement, reproducibili
         auto got = to_host_vector(out);
         auto want = direct(routes[r], xs[r], rc.d, scale);
         REQUIRE(got.size() == want.size());
-        CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+        CHECK(kmoe_test::same_bits(got, want));
         // Repeated combine: identical bits.
         RowMatrix<float, MS> again("again", routes[r].tokens, rc.d);
         combine(Exec(), s.routes, s.dispatch, s.returned, again);
         auto got2 = to_host_vector(again);
-        CHECK(std::memcmp(got.data(), got2.data(), got.size() * sizeof(float)) == 0);
+        CHECK(kmoe_test::same_bits(got, got2));
       }
       CHECK(sent == accepted_total);
       CHECK(segment_rows == accepted_total);
@@ -593,4 +593,26 @@ TEST_CASE("explicit slots per route: a route without one takes the replica polic
   CHECK_THROWS_WITH(make_route_plan(exec, table, make_device_placement<MS>(placement), make_replica_choice<MS>(placement, 0, 0), 0, 0,
                                     explicit_slot),
                     Catch::Matchers::Contains("(explicit slot 0)"));
+}
+
+TEST_CASE("combine rejects a corrupt inverse permutation before it writes the output", "[permutation][fault]") {
+  auto v = load_v17();
+  auto sim = simulate(v.placement, v.routes, v.hidden, {0, 1, 2, 3}, PayloadType::bf16, v.scale);
+  auto& s = sim[0];
+  REQUIRE(s.dispatch.rows() >= 2);
+  for (int fault : {0, 1}) {
+    INFO((fault == 0 ? "duplicate index" : "index out of range"));
+    auto inv = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), s.dispatch.inv);
+    DispatchPlan<MS> bad = s.dispatch;
+    bad.inv = Kokkos::View<index_t*, MS>("bad_inv", inv.extent(0));
+    auto hb = Kokkos::create_mirror_view(bad.inv);
+    for (std::size_t a = 0; a < inv.extent(0); ++a) hb(a) = inv(a);
+    if (fault == 0) hb(1) = hb(0);
+    else hb(1) = static_cast<index_t>(inv.extent(0)) + 5;
+    Kokkos::deep_copy(bad.inv, hb);
+    RowMatrix<float, MS> out("out", s.routes.num_tokens, 3);
+    Kokkos::deep_copy(out, 7.0f);
+    CHECK_THROWS_WITH(combine(Exec(), s.routes, bad, s.returned, out), Catch::Matchers::Contains("inverse permutation is corrupt"));
+    for (float x : to_host_vector(out)) CHECK(x == 7.0f);  // nothing was written
+  }
 }

@@ -268,3 +268,96 @@ TEST_CASE("Load estimates: cumulative and moving average with provenance", "[pla
   auto const lp = build_placements(est.loads(), spec);
   CHECK(lp.front().logcnt == std::vector<int>{3, 1, 2});
 }
+
+TEST_CASE("Registry: a faulted candidate is rolled back in order, no step early", "[placement][registry][fault]") {
+  PlacementRegistry reg;
+  auto const g1 = generation(1, {4, 2, 1, 1});
+  auto const g2 = generation(2, {1, 1, 2, 4});
+  reg.publish(g1, loaded_digests(g1));
+  reg.publish(g2, loaded_digests(g2));
+  // Dispatches in flight on the candidate (generation 2) when it faults.
+  std::vector<GenerationHandle> in_flight;
+  for (int i = 0; i < 3; ++i) in_flight.push_back(reg.acquire());
+  std::vector<std::string> order;
+  RollbackSteps steps;
+  steps.stop_dispatch = [&](std::uint64_t c) {
+    CHECK(c == 2);
+    CHECK(order.empty());
+    CHECK(reg.state(2) == GenerationState::draining);
+    CHECK_FALSE(reg.has_active());
+    CHECK_ERROR(reg.acquire(), "new dispatch is stopped while candidate generation 2 is rolled back");
+    order.push_back("stop");
+  };
+  steps.activate_prior = [&](std::uint64_t p) {
+    CHECK(p == 1);
+    CHECK(order == std::vector<std::string>{"stop"});
+    CHECK(reg.active_generation() == 1);
+    CHECK(reg.acquire().generation() == 1);  // new work goes to the prior generation
+    CHECK(reg.references(2) == 3);          // nothing drained yet
+    order.push_back("activate");
+  };
+  steps.drain = [&](std::uint64_t c, std::int64_t live) {
+    CHECK(c == 2);
+    CHECK(live == reg.references(2));
+    CHECK(live == static_cast<std::int64_t>(in_flight.size()));
+    CHECK((order.back() == "activate" || order.back() == "drain"));
+    CHECK(reg.state(2) == GenerationState::draining);
+    CHECK_NOTHROW(reg.check_handle(in_flight.back(), 2));  // a draining handle still combines
+    in_flight.pop_back();  // one dispatch completes
+    order.push_back("drain");
+  };
+  steps.release = [&](std::uint64_t c) {
+    CHECK(c == 2);
+    CHECK(reg.references(2) == 0);
+    CHECK(reg.state(2) == GenerationState::draining);  // not retired before its resources go
+    order.push_back("release");
+  };
+  CHECK(reg.roll_back_candidate(steps) == 1);
+  CHECK(order == std::vector<std::string>{"stop", "activate", "drain", "drain", "drain", "release"});
+  CHECK(reg.state(2) == GenerationState::retired);
+  CHECK(reg.active_generation() == 1);
+  CHECK(reg.state(1) == GenerationState::active);
+  CHECK_ERROR(reg.roll_back_candidate(steps), "no generation was active before 1");
+}
+
+TEST_CASE("Registry: a candidate whose handles never drain keeps its resources", "[placement][registry][fault]") {
+  PlacementRegistry reg;
+  auto const g1 = generation(1, {4, 2, 1, 1});
+  auto const g2 = generation(2, {1, 1, 2, 4});
+  reg.publish(g1, loaded_digests(g1));
+  reg.publish(g2, loaded_digests(g2));
+  auto stuck = reg.acquire();
+  int drains = 0;
+  bool released = false;
+  RollbackSteps steps;
+  steps.drain = [&](std::uint64_t, std::int64_t) { ++drains; };  // the dispatch never completes
+  steps.release = [&](std::uint64_t) { released = true; };
+  CHECK_ERROR(reg.roll_back_candidate(steps, 5),
+              "cannot finish rolling back candidate generation 2: 1 handle still reference it after 5 drain calls without "
+              "progress; generation 1 serves, 2 stays DRAINING with its resources");
+  CHECK(drains == 5);
+  CHECK_FALSE(released);
+  CHECK(reg.state(2) == GenerationState::draining);
+  CHECK(reg.active_generation() == 1);
+  CHECK(reg.acquire().generation() == 1);
+  // Once the dispatch completes, the candidate retires.
+  stuck = GenerationHandle();
+  reg.retire(2);
+  CHECK(reg.state(2) == GenerationState::retired);
+
+  // No prior generation to fall back to, or a retired one: nothing happens.
+  PlacementRegistry single;
+  single.publish(g1, loaded_digests(g1));
+  bool called = false;
+  RollbackSteps any;
+  any.stop_dispatch = [&](std::uint64_t) { called = true; };
+  CHECK_ERROR(single.roll_back_candidate(any), "no generation was active before 1");
+  PlacementRegistry gone;
+  gone.publish(g1, loaded_digests(g1));
+  gone.publish(g2, loaded_digests(g2));
+  gone.retire(1);
+  CHECK_ERROR(gone.roll_back_candidate(any), "cannot roll back candidate generation 2 to generation 1: it is RETIRED");
+  CHECK_FALSE(called);
+  CHECK(gone.active_generation() == 2);
+  CHECK(gone.state(2) == GenerationState::active);
+}

@@ -1,13 +1,46 @@
 #include <KokkosMoE_Collective.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <thread>
 #include <vector>
 
 namespace KokkosMoE {
+
+namespace {
+
+/// Buffers of nonblocking MPI operations: when the watchdog gives up on one,
+/// the operation is still in flight (MPI cannot cancel a collective, nor a
+/// send to a dead rank) and may complete into its buffers later, so they are
+/// kept until the process ends instead of being freed under it.
+class InFlight {
+ public:
+  template <class T, class... Args>
+  T& make(Args&&... args) {
+    auto p = std::make_shared<T>(std::forward<Args>(args)...);
+    held_.push_back(p);
+    return *p;
+  }
+  /// Every operation on the buffers completed: they are freed with this.
+  void completed() { held_.clear(); }
+  ~InFlight() {
+    if (held_.empty()) return;
+    static std::mutex mutex;
+    static std::vector<std::shared_ptr<void>> abandoned;
+    std::lock_guard<std::mutex> lock(mutex);
+    abandoned.insert(abandoned.end(), held_.begin(), held_.end());
+  }
+
+ private:
+  std::vector<std::shared_ptr<void>> held_;
+};
+
+}  // namespace
 
 int comm_rank(MPI_Comm comm) {
   int r = 0;
@@ -23,27 +56,23 @@ int comm_size(MPI_Comm comm) {
 
 std::vector<std::string> allgather_strings(MPI_Comm comm, std::string const& mine, double watchdog_seconds) {
   int const size = comm_size(comm);
-  // Lengths and texts live on the heap: a gather the watchdog gives up on
-  // may still complete into them.
-  auto* lengths = new std::vector<int>(static_cast<std::size_t>(size) + 1);
-  (*lengths)[static_cast<std::size_t>(size)] = static_cast<int>(mine.size());
+  InFlight inflight;
+  auto& lengths = inflight.make<std::vector<int>>(static_cast<std::size_t>(size) + 1);
+  lengths[static_cast<std::size_t>(size)] = static_cast<int>(mine.size());
   MPI_Request req;
-  KOKKOSMOE_MPI_CHECK(MPI_Iallgather(&(*lengths)[static_cast<std::size_t>(size)], 1, MPI_INT, lengths->data(), 1, MPI_INT, comm, &req), comm);
+  KOKKOSMOE_MPI_CHECK(MPI_Iallgather(&lengths[static_cast<std::size_t>(size)], 1, MPI_INT, lengths.data(), 1, MPI_INT, comm, &req), comm);
   wait_watched(req, comm, "string gather (lengths)", watchdog_seconds);
-  std::vector<int> displs(static_cast<std::size_t>(size) + 1, 0);
-  for (int r = 0; r < size; ++r) displs[r + 1] = displs[r] + (*lengths)[r];
-  auto* all = new std::string(static_cast<std::size_t>(displs[size]), '\0');
-  auto* text = new std::string(mine);
-  KOKKOSMOE_MPI_CHECK(MPI_Iallgatherv(text->data(), static_cast<int>(text->size()), MPI_CHAR, &(*all)[0], lengths->data(),
-                                      displs.data(), MPI_CHAR, comm, &req),
+  auto& displs = inflight.make<std::vector<int>>(static_cast<std::size_t>(size) + 1, 0);
+  for (int r = 0; r < size; ++r) displs[r + 1] = displs[r] + lengths[r];
+  auto& all = inflight.make<std::string>(static_cast<std::size_t>(displs[size]), '\0');
+  auto& text = inflight.make<std::string>(mine);
+  KOKKOSMOE_MPI_CHECK(MPI_Iallgatherv(text.data(), static_cast<int>(text.size()), MPI_CHAR, &all[0], lengths.data(), displs.data(),
+                                      MPI_CHAR, comm, &req),
                       comm);
   wait_watched(req, comm, "string gather", watchdog_seconds);
   std::vector<std::string> out(static_cast<std::size_t>(size));
-  for (int r = 0; r < size; ++r)
-    out[r] = all->substr(static_cast<std::size_t>(displs[r]), static_cast<std::size_t>((*lengths)[r]));
-  delete lengths;
-  delete all;
-  delete text;
+  for (int r = 0; r < size; ++r) out[r] = all.substr(static_cast<std::size_t>(displs[r]), static_cast<std::size_t>(lengths[r]));
+  inflight.completed();
   return out;
 }
 
@@ -81,14 +110,16 @@ std::vector<int> missing_ranks(MPI_Comm comm, double grace_seconds) {
   int const size = comm_size(comm);
   int const me = comm_rank(comm);
   constexpr int tag = 32017;  // reserved for this census
-  // Heap buffers: sends to dead ranks never complete and are left behind.
-  auto* token = new int(1);
-  auto* in = new std::vector<int>(static_cast<std::size_t>(size), 0);
+  // Sends to dead ranks never complete, and a cancelled receive may still
+  // land: the buffers are kept for them.
+  static int const token = 1;
+  InFlight inflight;
+  auto& in = inflight.make<std::vector<int>>(static_cast<std::size_t>(size), 0);
   std::vector<MPI_Request> recv(static_cast<std::size_t>(size), MPI_REQUEST_NULL), send(recv);
   for (int p = 0; p < size; ++p) {
     if (p == me) continue;
-    MPI_Irecv(&(*in)[static_cast<std::size_t>(p)], 1, MPI_INT, p, tag, comm, &recv[static_cast<std::size_t>(p)]);
-    MPI_Isend(token, 1, MPI_INT, p, tag, comm, &send[static_cast<std::size_t>(p)]);
+    MPI_Irecv(&in[static_cast<std::size_t>(p)], 1, MPI_INT, p, tag, comm, &recv[static_cast<std::size_t>(p)]);
+    MPI_Isend(&token, 1, MPI_INT, p, tag, comm, &send[static_cast<std::size_t>(p)]);
   }
   Watchdog dog(grace_seconds);
   std::vector<char> heard(static_cast<std::size_t>(size), 0);
@@ -114,9 +145,7 @@ std::vector<int> missing_ranks(MPI_Comm comm, double grace_seconds) {
     }
   for (auto& r : send)
     if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
-  if (missing.empty()) {
-    delete in;
-  }
+  if (missing.empty()) inflight.completed();  // every receive completed; the sends read only the static token
   return missing;
 }
 
@@ -158,15 +187,15 @@ void allreduce_watched(void const* in, void* out, int count, MPI_Datatype type, 
                        double watchdog_seconds) {
   int size = 0;
   MPI_Type_size(type, &size);
-  // Heap buffers, left to a reduction the watchdog gives up on.
-  auto* buf = new unsigned char[2 * static_cast<std::size_t>(count) * static_cast<std::size_t>(size)];
-  std::memcpy(buf, in, static_cast<std::size_t>(count) * static_cast<std::size_t>(size));
-  unsigned char* result = buf + static_cast<std::size_t>(count) * static_cast<std::size_t>(size);
+  std::size_t const bytes = static_cast<std::size_t>(count) * static_cast<std::size_t>(size);
+  InFlight inflight;
+  auto& buf = inflight.make<std::vector<unsigned char>>(2 * bytes);
+  if (bytes > 0) std::memcpy(buf.data(), in, bytes);
   MPI_Request req;
-  KOKKOSMOE_MPI_CHECK(MPI_Iallreduce(buf, result, count, type, op, comm, &req), comm);
+  KOKKOSMOE_MPI_CHECK(MPI_Iallreduce(buf.data(), buf.data() + bytes, count, type, op, comm, &req), comm);
   wait_watched(req, comm, what, watchdog_seconds);
-  std::memcpy(out, result, static_cast<std::size_t>(count) * static_cast<std::size_t>(size));
-  delete[] buf;
+  if (bytes > 0) std::memcpy(out, buf.data() + bytes, bytes);
+  inflight.completed();
 }
 
 void agree(MPI_Comm comm, std::string const& problem, char const* region, double watchdog_seconds) {
@@ -174,15 +203,13 @@ void agree(MPI_Comm comm, std::string const& problem, char const* region, double
   int const size = comm_size(comm);
   // Lowest failing rank (size when none), as a reduction polled under the
   // watchdog so that a peer which never arrives is reported, not waited for.
-  // The reduction's buffers live on the heap: when the watchdog gives up, the
-  // operation is still in flight (MPI cannot cancel a collective) and may
-  // complete later, so they are left to it rather than freed under it.
-  auto* buf = new int[2]{problem.empty() ? size : rank, size};
+  InFlight inflight;
+  auto& buf = inflight.make<std::array<int, 2>>(std::array<int, 2>{problem.empty() ? size : rank, size});
   MPI_Request req;
   KOKKOSMOE_MPI_CHECK(MPI_Iallreduce(&buf[0], &buf[1], 1, MPI_INT, MPI_MIN, comm, &req), comm);
   wait_watched(req, comm, region, watchdog_seconds);
   int const origin = buf[1];
-  delete[] buf;
+  inflight.completed();
   if (origin == size) return;
   // Everybody is here: every rank's problem, so that each distinct message
   // is shown with the ranks that had it (the lowest rank's first).
@@ -210,6 +237,30 @@ void agree(MPI_Comm comm, std::string const& problem, char const* region, double
     os << ": " << shortened(distinct[i].first);
   }
   throw CollectiveError(origin, failed, text, os.str());
+}
+
+void agree_same(MPI_Comm comm, char const* region, std::vector<std::pair<std::string, std::uint64_t>> const& values,
+                double watchdog_seconds) {
+  // One reduction: the maximum of every value and of its complement (the
+  // complement's maximum is the complement of the minimum).
+  std::size_t const n = values.size();
+  std::vector<std::uint64_t> mine(2 * n), top(2 * n);
+  for (std::size_t i = 0; i < n; ++i) {
+    mine[i] = values[i].second;
+    mine[n + i] = ~values[i].second;
+  }
+  allreduce_watched(mine.data(), top.data(), static_cast<int>(2 * n), MPI_UINT64_T, MPI_MAX, comm, region, watchdog_seconds);
+  bool same = true;
+  for (std::size_t i = 0; i < n; ++i) same = same && top[i] == ~top[n + i];
+  if (same) return;
+  // Every rank states what it holds; agree() groups the ranks by it.
+  std::ostringstream os;
+  os << "the ranks differ in";
+  for (std::size_t i = 0; i < n; ++i)
+    if (top[i] != ~top[n + i]) os << (os.tellp() > 19 ? "," : "") << " " << values[i].first;
+  os << "; this rank holds";
+  for (std::size_t i = 0; i < n; ++i) os << (i ? "," : "") << " " << values[i].first << " " << values[i].second;
+  agree(comm, os.str(), region, watchdog_seconds);
 }
 
 namespace Impl {

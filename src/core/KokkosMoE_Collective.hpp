@@ -16,6 +16,7 @@
 #include <mpi.h>
 
 #include <exception>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -117,6 +118,14 @@ template <class F>
 void collective(MPI_Comm comm, char const* region, F&& f, double watchdog_seconds = 0.0) {
   agree(comm, problem_of(std::forward<F>(f)), region, watchdog_seconds);
 }
+
+/// \brief Collective over comm: every rank must hold the same named values
+/// (a communicator epoch, a placement generation, ...) before it enters work
+/// that assumes so. When any value differs between ranks, every rank throws
+/// the same CollectiveError naming the region and each distinct set of
+/// values with the ranks that hold it; otherwise every rank returns.
+void agree_same(MPI_Comm comm, char const* region, std::vector<std::pair<std::string, std::uint64_t>> const& values,
+                double watchdog_seconds = 0.0);
 
 namespace Impl {
 [[noreturn]] void throw_mpi_error(int code, char const* call, MPI_Comm comm, char const* file,

@@ -62,7 +62,16 @@ struct PayloadRows {
   PayloadType type;
   int width;
   std::int64_t row_bytes;
-  explicit PayloadRows(PayloadBuffer<MS> const& b) : bytes(b.bytes), type(b.type), width(b.width), row_bytes(b.row_bytes()) {}
+  explicit PayloadRows(PayloadBuffer<MS> const& b) : bytes(b.bytes), type(b.type), width(b.width), row_bytes(b.row_bytes()) {
+    // A row is its elements and, for fp8, its scales: a buffer of other rows
+    // (scales missing or extra) is refused before any row moves.
+    KOKKOSMOE_REQUIRE(b.rows() == 0 || static_cast<std::int64_t>(b.bytes.extent(1)) == row_bytes,
+                      "payload rows of " << b.bytes.extent(1) << " bytes, but " << to_string(b.type) << " rows of width " << b.width
+                                         << " are " << row_bytes << " bytes"
+                                         << (b.type == PayloadType::fp8_row || b.type == PayloadType::fp8_block128
+                                                 ? " (elements and their FP32 scales)"
+                                                 : ""));
+  }
   index_t rows() const { return static_cast<index_t>(bytes.extent(0)); }
 };
 

@@ -181,10 +181,13 @@ RowMatrix<T, MS> router_weight(LayerDeck const& d) {
   return w;
 }
 
-/// \brief Routed expert weights of `rank`'s slots (random from the seed,
-/// loaded from the deck's HDF5 file, or scalar test experts).
+/// \brief Routed expert weights of `rank`'s slots of `placement` (random
+/// from the seed, loaded from the deck's HDF5 file for communicator epoch
+/// `epoch` and the placement's generation, or scalar test experts). The
+/// weights of a slot depend only on its logical expert, whatever the placement.
 template <class T, class MS, class Exec>
-Experts::ExpertWeights<T, MS> routed_weights(Exec const& exec, LayerDeck const& d, Placement const& placement, int rank, MPI_Comm comm) {
+Experts::ExpertWeights<T, MS> routed_weights(Exec const& exec, LayerDeck const& d, Placement const& placement, std::uint64_t epoch,
+                                             int rank, MPI_Comm comm) {
   std::vector<int> slot_expert;
   for (int s : placement.slots_of_rank(rank)) slot_expert.push_back(placement.slot(s).expert);
   if (d.experts.runner == Experts::RunnerKind::scalar)
@@ -193,9 +196,15 @@ Experts::ExpertWeights<T, MS> routed_weights(Exec const& exec, LayerDeck const& 
   if (d.experts.weights.empty())
     w.randomize(exec, d.run.seed);
   else
-    w.load(comm, d.experts.weights);
+    w.load(comm, d.experts.weights, Experts::LoadContext{epoch, placement.generation()});
   if (!d.experts.save_weights.empty()) w.save(comm, d.experts.save_weights, d.model.experts);
   return w;
+}
+
+/// \brief routed_weights() for the run's placement and communicator epoch.
+template <class T, class MS, class Exec>
+Experts::ExpertWeights<T, MS> routed_weights(Exec const& exec, LayerDeck const& d, Run const& run, int rank, MPI_Comm comm) {
+  return routed_weights<T, MS>(exec, d, run.placement, run.comms->epoch(), rank, comm);
 }
 
 /// \brief Shared expert weights (ids E, E+1, ... so they differ from routed ones).

@@ -40,6 +40,35 @@ KOKKOS_INLINE_FUNCTION void axpy_row(float* KOKKOS_RESTRICT acc, unsigned char c
   }
 }
 
+/// Throws Error unless inv is the inverse of perm over [0, rows): every
+/// inv(a) in range and perm(inv(a)) == a (which also makes inv one to one).
+/// One pass without atomics, before anything reads a row through inv.
+template <class Exec, class MS>
+void check_inverse(Exec const& exec, DispatchPlan<MS> const& plan, char const* label) {
+  index_t const A = plan.rows();
+  KOKKOSMOE_REQUIRE(static_cast<index_t>(plan.inv.extent(0)) == A && static_cast<index_t>(plan.perm.extent(0)) == A,
+                    label << ": the dispatch plan's permutation has " << plan.perm.extent(0) << " and its inverse "
+                          << plan.inv.extent(0) << " entries for " << A << " rows");
+  auto perm = plan.perm;
+  auto inv = plan.inv;
+  index_t first_bad = A;
+  Kokkos::parallel_reduce(
+      "KokkosMoE::combine::check_inverse", Kokkos::RangePolicy<Exec>(exec, 0, A),
+      KOKKOS_LAMBDA(index_t a, index_t & bad) {
+        index_t const p = inv(a);
+        bool const ok = p >= 0 && p < A && perm(p) == a;
+        if (!ok && a < bad) bad = a;
+      },
+      Kokkos::Min<index_t>(first_bad));
+  if (first_bad < A) {
+    index_t p = -1;
+    Kokkos::deep_copy(p, Kokkos::subview(inv, first_bad));
+    KOKKOSMOE_THROW(label << ": the dispatch plan's inverse permutation is corrupt: route " << first_bad << " maps to send position "
+                          << p << (p >= 0 && p < A ? ", which holds another route" : ", outside [0, " + std::to_string(A) + ")")
+                          << "; the output is rejected");
+  }
+}
+
 /// out(t, :) = sum_j w_j * row(inv(route_index(t, j)), :) over accepted j,
 /// in k-slot order; w_j = gate or 1.
 template <class Exec, class MS, class T>
@@ -47,6 +76,7 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
                         PayloadBuffer<MS> const& returned, bool use_gate, RowMatrix<T, MS> const& out, char const* label) {
   KOKKOSMOE_REQUIRE(returned.rows() == plan.rows(),
                     label << ": " << returned.rows() << " returned rows for " << plan.rows() << " dispatched routes");
+  check_inverse(exec, plan, label);
   KOKKOSMOE_REQUIRE(static_cast<index_t>(out.extent(0)) == routes.num_tokens && static_cast<int>(out.extent(1)) == returned.width,
                     label << ": output is " << out.extent(0) << "x" << out.extent(1) << ", expected " << routes.num_tokens
                           << "x" << returned.width);

@@ -15,6 +15,8 @@ struct RegistryState {
   std::map<std::uint64_t, GenerationEntry> entries;
   /// Activation history: the back is ACTIVE; rollback pops it.
   std::vector<std::uint64_t> history;
+  /// Set between steps 1 and 2 of roll_back_candidate: no handle is handed out.
+  bool dispatch_stopped = false;
 
   GenerationEntry& entry(std::uint64_t g) {
     auto it = entries.find(g);
@@ -142,6 +144,46 @@ void PlacementRegistry::rollback() {
   h.pop_back();
 }
 
+std::uint64_t PlacementRegistry::roll_back_candidate(RollbackSteps const& steps, int max_idle_drains) {
+  auto& h = state_->history;
+  KOKKOSMOE_REQUIRE(h.size() >= 2, "cannot roll back the candidate: no generation was active before "
+                                       << (h.empty() ? std::string("(none active)") : std::to_string(h.back())));
+  std::uint64_t const candidate = h.back(), prior = h[h.size() - 2];
+  KOKKOSMOE_REQUIRE(state_->entry(prior).state != GenerationState::retired,
+                    "cannot roll back candidate generation " << candidate << " to generation " << prior
+                                                             << ": it is RETIRED (its weights are gone)");
+  KOKKOSMOE_REQUIRE(max_idle_drains >= 1, "roll_back_candidate: max_idle_drains is " << max_idle_drains << " (must be >= 1)");
+  // 1. No new dispatch on the candidate.
+  state_->dispatch_stopped = true;
+  state_->entry(candidate).state = GenerationState::draining;
+  if (steps.stop_dispatch) steps.stop_dispatch(candidate);
+  // 2. The prior generation serves new work.
+  h.pop_back();
+  state_->entry(prior).state = GenerationState::active;
+  state_->dispatch_stopped = false;
+  if (steps.activate_prior) steps.activate_prior(prior);
+  // 3. The candidate's handles drain to zero.
+  int idle = 0;
+  for (std::int64_t live = references(candidate); live > 0; live = references(candidate)) {
+    KOKKOSMOE_REQUIRE(steps.drain, "cannot finish rolling back candidate generation "
+                                       << candidate << ": " << live << " handle" << (live == 1 ? "" : "s")
+                                       << " still reference it and no drain step was given; generation " << prior
+                                       << " serves, " << candidate << " stays DRAINING with its resources");
+    steps.drain(candidate, live);
+    std::int64_t const now = references(candidate);
+    idle = now < live ? 0 : idle + 1;
+    KOKKOSMOE_REQUIRE(idle < max_idle_drains, "cannot finish rolling back candidate generation "
+                                                  << candidate << ": " << now << " handle" << (now == 1 ? "" : "s")
+                                                  << " still reference it after " << idle
+                                                  << " drain calls without progress; generation " << prior << " serves, "
+                                                  << candidate << " stays DRAINING with its resources");
+  }
+  // 4. Its resources go, 5. it retires.
+  if (steps.release) steps.release(candidate);
+  retire(candidate);
+  return prior;
+}
+
 void PlacementRegistry::retire(std::uint64_t generation) {
   auto& e = state_->entry(generation);
   KOKKOSMOE_REQUIRE(e.state != GenerationState::active,
@@ -156,6 +198,8 @@ void PlacementRegistry::retire(std::uint64_t generation) {
 
 GenerationHandle PlacementRegistry::acquire() const {
   KOKKOSMOE_REQUIRE(!state_->history.empty(), "acquire: no placement generation has been published");
+  KOKKOSMOE_REQUIRE(!state_->dispatch_stopped, "acquire: new dispatch is stopped while candidate generation "
+                                                   << state_->history.back() << " is rolled back");
   return GenerationHandle(state_, state_->history.back());
 }
 
@@ -184,10 +228,11 @@ void PlacementRegistry::check_handle(GenerationHandle const& handle, std::uint64
                     "combine rejected: placement generation " << generation << " is RETIRED");
 }
 
-bool PlacementRegistry::has_active() const { return !state_->history.empty(); }
+bool PlacementRegistry::has_active() const { return !state_->history.empty() && !state_->dispatch_stopped; }
 
 std::uint64_t PlacementRegistry::active_generation() const {
-  KOKKOSMOE_REQUIRE(!state_->history.empty(), "no placement generation is ACTIVE");
+  KOKKOSMOE_REQUIRE(has_active(), "no placement generation is ACTIVE"
+                                      << (state_->dispatch_stopped ? " (a candidate generation is being rolled back)" : ""));
   return state_->history.back();
 }
 

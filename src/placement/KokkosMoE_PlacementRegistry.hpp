@@ -12,12 +12,15 @@
 /// reference. rollback() re-activates the generation that was ACTIVE before
 /// the current one; the current one drains. acquire() hands out a handle to
 /// the ACTIVE generation; combine validates the handle it got back with
-/// check_handle(). Host-side bookkeeping; not thread-safe.
+/// check_handle(). A candidate that faults after activation is taken back
+/// by roll_back_candidate(), one ordered step at a time (RollbackSteps).
+/// Host-side bookkeeping; not thread-safe.
 
 #include <KokkosMoE_EnumNames.hpp>
 #include <KokkosMoE_Placement.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -71,6 +74,26 @@ class GenerationHandle {
   bool holds_ = false;
 };
 
+/// \brief The caller's part of taking back a candidate generation that
+/// faulted after activation (PlacementRegistry::roll_back_candidate). The
+/// registry calls them in this order, each after the previous one returned
+/// and after its own bookkeeping for that step; a missing function is a step
+/// with nothing to do on the caller's side.
+struct RollbackSteps {
+  /// 1. New dispatch on the candidate stops: from here until step 2 the
+  ///    registry hands out no handle (acquire() throws).
+  std::function<void(std::uint64_t candidate)> stop_dispatch;
+  /// 2. The prior generation is ACTIVE again: acquire() hands out its handles.
+  std::function<void(std::uint64_t prior)> activate_prior;
+  /// 3. Called while `references` handles still reference the candidate:
+  ///    complete (or abandon) its dispatches in flight so that their handles
+  ///    are dropped. Called again until none is left.
+  std::function<void(std::uint64_t candidate, std::int64_t references)> drain;
+  /// 4. The candidate's weights and buffers are released; no handle is left.
+  std::function<void(std::uint64_t candidate)> release;
+  // 5. (the registry) The candidate is RETIRED: it can never serve again.
+};
+
 /// \brief Registry of placement generations of one layer (or of one model
 /// when all layers switch together). Generation ids are the placements'
 /// generation() values and must increase with every publish.
@@ -90,6 +113,20 @@ class PlacementRegistry {
   /// one; the current one becomes DRAINING (its handles drain). Throws Error
   /// when there is no earlier generation or it was retired.
   void rollback();
+
+  /// \brief Takes back the ACTIVE generation (a candidate that faulted after
+  /// activation), in this order: (1) stop new dispatch on it, (2) activate the
+  /// prior generation for new work, (3) drain the candidate's handles to zero,
+  /// (4) release its resources, (5) retire it; steps calls the caller's part
+  /// of each (see RollbackSteps). Nothing happens, and Error is thrown, when
+  /// there is no prior generation or it was RETIRED. When `max_idle_drains`
+  /// drain calls in a row drop no handle, throws Error naming the candidate
+  /// and its live references: the prior generation serves, the candidate
+  /// stays DRAINING with its resources (release and retire never ran), and a
+  /// later retire() finishes the job. An exception from a step stops the
+  /// rollback after that step, the same way.
+  /// \return the prior generation, now ACTIVE.
+  std::uint64_t roll_back_candidate(RollbackSteps const& steps, int max_idle_drains = 1000);
 
   /// \brief RETIRES a DRAINING generation. Throws Error naming the generation
   /// and its reference count when handles still reference it, and for the
