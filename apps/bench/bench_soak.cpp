@@ -1,0 +1,213 @@
+// kmoe-bench soak: a long run of one MoE layer from a deck (default: the
+// DeepSeek-V3-like deck) that alternates every exchange algorithm step by
+// step and switches placement generations every --rebalance-every steps
+// (even generations: the deck's placement; odd ones: EPLB with replicas from
+// the expert loads measured since the last switch; a new layer, new weights
+// and new exchanges each time, the old ones released). Step s runs batch
+// s % --batches; every step's output rows must have the digest that batch
+// had on the reference (the deck's placement, flat exchange) before the
+// soak started. Prints resident memory after the warm-up (the first
+// generation switch and one step of every algorithm on it) and at the end,
+// the slowest rank's growth, and the steps whose output differed:
+//
+//   BENCH name=soak_np4 steps=2000 ... rss_growth_mb=... digest_mismatches=0 ratio=<late/early step time>
+//
+// The ratio compares the mean step time of the last rebalance window with
+// the first one after the warm-up (1: no slowdown over the run). Expert
+// capacity factors of the pooled-wave exchange are raised so that it drops
+// no route (drops would change outputs); the deck's bias update is not run
+// (routes stay a function of the batch). Exit code 1 when any step's output
+// differed.
+
+#include "kmoe_bench_common.hpp"
+
+#include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Deck.hpp>
+#include <KokkosMoE_Digest.hpp>
+#include <KokkosMoE_Eplb.hpp>
+#include <KokkosMoE_LayerSetup.hpp>
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+namespace {
+
+using namespace KokkosMoE;
+using Exec = Kokkos::DefaultExecutionSpace;
+using MS = Exec::memory_space;
+
+/// Resident memory of this process in MiB (Linux /proc/self/statm), -1 when
+/// unknown; with glibc, free heap pages are returned to the system first, so
+/// that the figure is live memory rather than what the allocator keeps.
+double resident_mb() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+  std::ifstream in("/proc/self/statm");
+  long pages = 0, resident = -1;
+  if (!(in >> pages >> resident)) return -1.0;
+  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1024.0 * 1024.0);
+}
+
+struct SoakOptions {
+  std::string deck = "inputs/deepseek_v3.toml";
+  int steps = 2000;
+  int rebalance_every = 100;
+  int batches = 4;
+  int slots = 0;  // EPLB generations: physical slots (0: experts + experts / 8, rounded up to the rank count)
+};
+
+template <class T>
+int soak(LayerDeck const& deck, SoakOptions const& o) {
+  MPI_Comm const world = MPI_COMM_WORLD;
+  int const rank = comm_rank(world), size = comm_size(world);
+  Exec exec;
+  auto setup = Setup::make_run(deck, world);
+  auto const& comms = *setup.comms;
+  double const watchdog = deck.exchange.watchdog_seconds;
+  index_t const tokens = Setup::tokens_per_rank(deck);
+  index_t const first = Setup::first_token(deck, rank);
+  int const E = deck.model.experts;
+  int slots = o.slots;
+  if (slots == 0) slots = ((E + (E + 7) / 8 + size - 1) / size) * size;
+  KOKKOSMOE_REQUIRE(slots >= E && slots % size == 0,
+                    "soak: --slots " << slots << " must be a multiple of the " << size << " ranks and at least the " << E << " experts");
+
+  auto const router_weight = Setup::router_weight<T, MS>(deck);
+  auto const shared = Setup::shared_weights<T, MS>(exec, deck);
+  std::vector<RowMatrix<T, MS>> batches;
+  for (int b = 0; b < o.batches; ++b) batches.push_back(Setup::hidden_rows<T, MS>(deck, b, first, tokens, rank));
+  RowMatrix<T, MS> out("soak::out", tokens, deck.model.hidden);
+
+  auto make_layer = [&](Placement const& placement) {
+    LayerConfig config = Setup::layer_config(deck, placement);
+    double const cf = std::max(8.0, 2.0 * size);
+    config.exchange.sender_cf = std::max(config.exchange.sender_cf, cf);
+    config.exchange.receiver_cf = std::max(config.exchange.receiver_cf, cf);
+    return std::make_unique<MoELayer<T, Exec, MS>>(config, comms, placement, router_weight,
+                                                   Setup::routed_weights<T, MS>(exec, deck, placement, comms.epoch(), rank, world),
+                                                   shared);
+  };
+  auto local_digest = [&] {
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
+    return digest_bytes(h.data(), h.size() * sizeof(T));
+  };
+
+  // The reference: every batch through the deck's placement, flat exchange.
+  auto layer = make_layer(setup.placement);
+  std::vector<std::uint64_t> reference;
+  for (auto const& hidden : batches) {
+    layer->forward(exec, hidden, out, Exchange::Algorithm::flat);
+    reference.push_back(local_digest());
+  }
+
+  std::vector<Exchange::Algorithm> const algorithms = {Exchange::Algorithm::flat, Exchange::Algorithm::hierarchical,
+                                                       Exchange::Algorithm::pooled_wave};
+  std::vector<double> window_load(static_cast<std::size_t>(E), 0.0);
+  std::uint64_t generation = 0;
+  int mismatches = 0, generations = 1;
+  std::int64_t drops = 0;
+  int const warm_step = (o.steps > o.rebalance_every + 3 ? o.rebalance_every : 0) + 3;
+  double rss_start = -1, early_s = 0, late_s = 0;
+  int early_n = 0, late_n = 0;
+  int const late_from = std::max(warm_step, o.steps - o.rebalance_every);
+  for (int s = 0; s < o.steps; ++s) {
+    if (s > 0 && s % o.rebalance_every == 0) {
+      // A new placement generation: release the old layer first.
+      ++generation;
+      ++generations;
+      std::vector<double> global(static_cast<std::size_t>(E));
+      allreduce_watched(window_load.data(), global.data(), E, MPI_DOUBLE, MPI_SUM, world, "soak: expert loads", watchdog);
+      std::fill(window_load.begin(), window_load.end(), 0.0);
+      Placement next;
+      if (generation % 2 == 0) {
+        next = setup.placement.with_generation(generation);
+      } else {
+        PlacementSpec spec;
+        spec.policy = PlacementPolicy::eplb;
+        spec.physical_slots = slots;
+        spec.nodes = setup.topology.num_nodes();
+        spec.ranks = size;
+        spec.generation = generation;
+        for (double& x : global) x += 1.0;  // every expert keeps a share
+        next = eplb_layer(global, spec).placement.with_nodes(setup.node_of_rank);
+      }
+      layer.reset();
+      layer = make_layer(next);
+    }
+    int const b = s % o.batches;
+    auto const rec = layer->forward(exec, batches[static_cast<std::size_t>(b)], out, algorithms[static_cast<std::size_t>(s) % algorithms.size()]);
+    for (int e = 0; e < E; ++e) window_load[static_cast<std::size_t>(e)] += static_cast<double>(rec.expert_counts[static_cast<std::size_t>(e)]);
+    int const differs = local_digest() != reference[static_cast<std::size_t>(b)] ? 1 : 0;
+    std::int64_t const local_drops = rec.routes.dropped + rec.ledger.dispatch.sender_drops + rec.ledger.dispatch.receiver_drops;
+    double const local[2] = {static_cast<double>(differs), static_cast<double>(local_drops)};
+    double reduced[2] = {0, 0};
+    allreduce_watched(local, reduced, 2, MPI_DOUBLE, MPI_MAX, world, "soak: step check", watchdog);
+    mismatches += reduced[0] > 0 ? 1 : 0;
+    drops += static_cast<std::int64_t>(reduced[1]);
+    double step_s = 0;
+    double const mine = rec.seconds.at("total");
+    allreduce_watched(&mine, &step_s, 1, MPI_DOUBLE, MPI_MAX, world, "soak: step time", watchdog);
+    if (s + 1 == warm_step) rss_start = resident_mb();
+    if (s >= warm_step && s < warm_step + o.rebalance_every) early_s += step_s, ++early_n;
+    if (s >= late_from) late_s += step_s, ++late_n;
+    if (rank == 0 && (s + 1) % std::max(1, o.steps / 10) == 0) {
+      std::printf("# soak: step %d/%d, generation %llu, rank 0 resident %.1f MiB, %d mismatching step(s)\n", s + 1, o.steps,
+                  static_cast<unsigned long long>(generation), resident_mb(), mismatches);
+      std::fflush(stdout);
+    }
+  }
+  double const rss_end = resident_mb();
+  double const growth = rss_start >= 0 && rss_end >= 0 ? rss_end - rss_start : 0.0;
+  double r[3] = {growth, rss_start, rss_end}, rmax[3] = {0, 0, 0};
+  allreduce_watched(r, rmax, 3, MPI_DOUBLE, MPI_MAX, world, "soak: resident memory", watchdog);
+  double const early = early_n ? early_s / early_n : 0.0, late = late_n ? late_s / late_n : 0.0;
+  kmoe_bench::print_bench("soak_np" + std::to_string(size),
+                          {{"steps", std::to_string(o.steps)},
+                           {"generations", std::to_string(generations)},
+                           {"algorithms", "flat,hierarchical,pooled_wave"},
+                           {"batches", std::to_string(o.batches)},
+                           {"deck", deck.path},
+                           {"rss_start_mb", kmoe_bench::fmt(rmax[1])},
+                           {"rss_end_mb", kmoe_bench::fmt(rmax[2])},
+                           {"rss_growth_mb", kmoe_bench::fmt(rmax[0])},
+                           {"digest_mismatches", std::to_string(mismatches)},
+                           {"drops", std::to_string(drops)},
+                           {"early_step_s", kmoe_bench::fmt(early)},
+                           {"late_step_s", kmoe_bench::fmt(late)}},
+                          early > 0 ? late / early : 0.0);
+  return mismatches == 0 ? 0 : 1;
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"soak: a long run alternating algorithms and placement generations"};
+  SoakOptions o;
+  app.add_option("--deck", o.deck, "TOML input deck")->capture_default_str();
+  app.add_option("--steps", o.steps, "steps")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--rebalance-every", o.rebalance_every, "steps per placement generation")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batches", o.batches, "distinct input batches, cycled")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--slots", o.slots, "physical slots of the EPLB generations (0: experts + experts/8, rounded up)")
+      ->check(CLI::NonNegativeNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (CLI::ParseError const& e) {
+    return app.exit(e);
+  }
+  auto const deck = read_layer_deck(MPI_COMM_WORLD, o.deck);
+  KOKKOSMOE_REQUIRE(deck.tokens.source != "explicit", "soak: deck '" << deck.path << "' has explicit tokens; the soak draws its batches");
+  if (deck.model.dtype == "bf16") return soak<bf16_t>(deck, o);
+  return soak<float>(deck, o);
+}
+
+kmoe_bench::Register reg("soak", "long run alternating exchange algorithms and placement generations (DeepSeek-V3-like deck): "
+                                 "resident memory growth and output digest mismatches",
+                         run);
+
+}  // namespace
