@@ -454,12 +454,19 @@ TEST_CASE("faults: count mismatch, stale handles and a skipped call fail every r
     // The original exchange still combines it.
     CHECK_NOTHROW(combine_of(flat, h));
     CHECK_THROWS_WITH(combine_of(flat, h), Catch::Matchers::Contains("already combined"));
+    // The caller replans on the new communicators and retries.
+    auto retry = prepare(flat2);
+    CHECK(retry.epoch == newer.epoch());
+    CHECK_NOTHROW(combine_of(flat2, retry));
   }
   SECTION("a handle from another placement generation") {
     HierarchicalExchange<> hier(comms, placement, fp32);
     auto h = prepare(hier);
     h.generation += 1;
     CHECK_THROWS_WITH(combine_of(hier, h), Catch::Matchers::Contains("placement generation"));
+    // A fresh dispatch of the same step goes through.
+    auto retry = prepare(hier);
+    CHECK_NOTHROW(combine_of(hier, retry));
   }
   SECTION("a handle of another algorithm") {
     FlatExchange<> flat(comms, placement, fp32);
