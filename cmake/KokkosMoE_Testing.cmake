@@ -27,6 +27,16 @@ set(KOKKOSMOE_TEST_ENVIRONMENT
   OMP_NUM_THREADS=${KokkosMoE_TEST_OMP_THREADS}
   OMP_PROC_BIND=false
   OMP_WAIT_POLICY=passive)
+if(KokkosMoE_SANITIZE)
+  # Leaks OpenMPI keeps until exit are suppressed (tests/sanitize/lsan.supp,
+  # one comment per entry); everything else fails the test.
+  list(APPEND KOKKOSMOE_TEST_ENVIRONMENT
+    "ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_odr_violation=0:fast_unwind_on_malloc=0"
+    # OpenMPI keeps its components loaded, so that their stacks can be matched.
+    "OMPI_MCA_mca_base_component_disable_dlclose=1"
+    "LSAN_OPTIONS=suppressions=${PROJECT_SOURCE_DIR}/tests/sanitize/lsan.supp:print_suppressions=0"
+    "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1")
+endif()
 
 function(kokkosmoe_register_mpi_command name nranks)
   cmake_parse_arguments(ARG "" "TIMEOUT;WORKING_DIRECTORY" "COMMAND;LABELS;PASS_REGULAR_EXPRESSION;FAIL_REGULAR_EXPRESSION;DEPENDS;FIXTURES" ${ARGN})
