@@ -61,7 +61,26 @@ struct Totals {
   bool identical = true;                  // compare mode: equal to the first algorithm
   double max_abs_diff = 0;
   std::string output_digest;              // last step's output rows of every rank, in rank order
+  std::string schedule;                   // schedule/chunks of the steps
+  std::vector<TaskRecord> tasks;          // last step's task graph (names, streams)
+  std::vector<double> task_times;         // [rank][task][start, end] of the last step
 };
+
+/// Every rank's [start, end) of each task of its step, in rank order (the
+/// same task graph runs on every rank).
+std::vector<double> gather_task_times(std::vector<TaskRecord> const& tasks, MPI_Comm comm, double watchdog) {
+  int const P = comm_size(comm), me = comm_rank(comm);
+  int n = static_cast<int>(tasks.size()), nmax = 0;
+  allreduce_watched(&n, &nmax, 1, MPI_INT, MPI_MAX, comm, "task time reduction", watchdog);
+  KOKKOSMOE_REQUIRE(n == nmax, "ranks ran step graphs of different sizes (" << n << " vs " << nmax << " tasks)");
+  std::vector<double> mine(static_cast<std::size_t>(P) * n * 2, 0.0), all(mine.size(), 0.0);
+  for (int i = 0; i < n; ++i) {
+    mine[(static_cast<std::size_t>(me) * n + i) * 2] = tasks[static_cast<std::size_t>(i)].start;
+    mine[(static_cast<std::size_t>(me) * n + i) * 2 + 1] = tasks[static_cast<std::size_t>(i)].end;
+  }
+  allreduce_watched(mine.data(), all.data(), static_cast<int>(all.size()), MPI_DOUBLE, MPI_SUM, comm, "task time reduction", watchdog);
+  return all;
+}
 
 std::string fmt(double v, int p = 4) {
   std::ostringstream os;
@@ -154,7 +173,8 @@ class LayerRun {
               << setup_.comms->layout().relays_per_node << "\n"
               << setup_.comms->table() << "placement: " << setup_.placement.num_slots() << " slots for "
               << setup_.placement.num_experts() << " experts (" << to_string(deck_.placement.policy) << "), exchange transport "
-              << to_string(deck_.exchange.transport) << "\n";
+              << to_string(deck_.exchange.transport) << ", schedule " << to_string(deck_.run.schedule)
+              << (deck_.run.chunks > 1 ? " (" + std::to_string(deck_.run.chunks) + " chunks)" : std::string()) << "\n";
   }
 
   /// The step's routes: drawn from the deck's distribution, or (router
@@ -194,6 +214,7 @@ class LayerRun {
     auto const sl = slowest(rec.seconds, world_, watchdog_);
     auto const ledger = rec.ledger.reduced(world_, watchdog_);
     auto const rc = reduce_route_counts(rec.routes, world_, watchdog_);
+    auto task_times = gather_task_times(rec.tasks, world_, watchdog_);
     if (algorithms_.size() > 1) {
       auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
       host_out.resize(h.size());
@@ -206,6 +227,9 @@ class LayerRun {
     ++tot.steps;
     tot.ledger = ledger;
     tot.transport = rec.transport;
+    tot.schedule = rec.schedule;
+    tot.tasks = rec.tasks;
+    tot.task_times = std::move(task_times);
     tot.attempted += rc.attempted;
     tot.accepted += rc.accepted;
     tot.dropped += rc.dropped;
@@ -328,6 +352,25 @@ class LayerRun {
       j["routes"] = {{"attempted", tot.attempted}, {"accepted", tot.accepted}, {"dropped", tot.dropped}};
       j["ledger_last_step"] = json::parse(tot.ledger.to_json(0));
       j["output_digest"] = tot.output_digest;
+      j["schedule"] = tot.schedule;
+      {
+        // The last step's task graph as it ran: per rank, each task's
+        // [start, end) in seconds from the start of the step's graph.
+        json tasks = json::array();
+        std::size_t const nt = tot.tasks.size();
+        for (std::size_t i = 0; i < nt; ++i) {
+          json t = {{"name", tot.tasks[i].name}, {"stream", tot.tasks[i].stream}};
+          json start = json::array(), end = json::array();
+          for (int r = 0; r < size_; ++r) {
+            start.push_back(tot.task_times[(static_cast<std::size_t>(r) * nt + i) * 2]);
+            end.push_back(tot.task_times[(static_cast<std::size_t>(r) * nt + i) * 2 + 1]);
+          }
+          t["start_by_rank"] = start;
+          t["end_by_rank"] = end;
+          tasks.push_back(t);
+        }
+        j["tasks_last_step"] = tasks;
+      }
       if (algorithms_.size() > 1) j["identical_to_" + name(0)] = tot.identical, j["max_abs_diff"] = tot.max_abs_diff;
       report["algorithms"][name(a)] = j;
       if (a == 0) perf = performance_line(tot, step_s, tps, other, drops, stage_order);

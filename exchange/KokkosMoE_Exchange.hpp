@@ -14,6 +14,13 @@
 ///     void combine(exec, handle, expert_out, returned[, problem])  expert outputs back into
 ///                                                                  `returned` in the sender's order
 ///
+/// and their start/finish forms (dispatch_start -> handle in flight,
+/// dispatch_finish(exec, handle) -> delivered; combine_start,
+/// combine_finish), so that a schedule computes while rows move. An
+/// algorithm without its own start forms moves the rows in start and its
+/// finish only completes the handle; the MPI transport overlaps where MPI
+/// reads device buffers directly (host memory, CUDA-aware MPI).
+///
 /// A step is the caller's loop: for each wave, dispatch, run the experts on
 /// handle.expert_rows (segments handle.expert_offsets), combine; then the
 /// gate-weighted combine() of KokkosMoE_Combine.hpp reduces `returned` per
@@ -55,11 +62,29 @@ class AnyExchange {
                                                   int wave) = 0;
   virtual void combine(Exec const& exec, DispatchHandle<T, MemorySpace>& handle, RowMatrix<T, MemorySpace> const& expert_out,
                        PayloadBuffer<MemorySpace> const& returned, std::string const& local_problem) = 0;
+  virtual DispatchHandle<T, MemorySpace> dispatch_start(Exec const& exec, RoutePlan<MemorySpace> const& routes,
+                                                        DispatchPlan<MemorySpace> const& plan,
+                                                        RowMatrix<T, MemorySpace> const& hidden, int wave) = 0;
+  virtual void dispatch_finish(Exec const& exec, DispatchHandle<T, MemorySpace>& handle) = 0;
+  virtual void combine_start(Exec const& exec, DispatchHandle<T, MemorySpace>& handle, RowMatrix<T, MemorySpace> const& expert_out,
+                             PayloadBuffer<MemorySpace> const& returned, std::string const& local_problem) = 0;
+  virtual void combine_finish(Exec const& exec, DispatchHandle<T, MemorySpace>& handle) = 0;
+  /// True when dispatch_start returns before the rows have moved.
+  virtual bool overlaps() const = 0;
   virtual ExchangeConfig const& config() const = 0;
   virtual Topology::CommunicatorSet const& communicators() const = 0;
 };
 
 namespace Impl {
+
+template <class X, class T, class Exec, class MS, class = void>
+struct has_start_forms : std::false_type {};
+template <class X, class T, class Exec, class MS>
+struct has_start_forms<X, T, Exec, MS,
+                       std::void_t<decltype(std::declval<X&>().template dispatch_start<T>(
+                                       std::declval<Exec const&>(), std::declval<RoutePlan<MS> const&>(),
+                                       std::declval<DispatchPlan<MS> const&>(), std::declval<RowMatrix<T, MS> const&>(), 0))>>
+    : std::true_type {};
 
 template <class X, class T, class Exec, class MS>
 class ExchangeModel final : public AnyExchange<T, Exec, MS> {
@@ -77,10 +102,44 @@ class ExchangeModel final : public AnyExchange<T, Exec, MS> {
                std::string const& local_problem) override {
     x_.combine(exec, handle, expert_out, returned, local_problem);
   }
+  DispatchHandle<T, MS> dispatch_start(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
+                                       RowMatrix<T, MS> const& hidden, int wave) override {
+    if constexpr (starts) {
+      return x_.dispatch_start(exec, routes, plan, hidden, wave);
+    } else {
+      return x_.dispatch(exec, routes, plan, hidden, wave);
+    }
+  }
+  void dispatch_finish(Exec const& exec, DispatchHandle<T, MS>& handle) override {
+    if constexpr (starts) {
+      x_.dispatch_finish(exec, handle);
+    } else {
+      (void)exec;
+      KOKKOSMOE_REQUIRE(handle.delivered, to_string(X::algorithm) << " dispatch_finish: the handle was not dispatched");
+    }
+  }
+  void combine_start(Exec const& exec, DispatchHandle<T, MS>& handle, RowMatrix<T, MS> const& expert_out,
+                     PayloadBuffer<MS> const& returned, std::string const& local_problem) override {
+    if constexpr (starts) {
+      x_.combine_start(exec, handle, expert_out, returned, local_problem);
+    } else {
+      x_.combine(exec, handle, expert_out, returned, local_problem);
+    }
+  }
+  void combine_finish(Exec const& exec, DispatchHandle<T, MS>& handle) override {
+    if constexpr (starts) {
+      x_.combine_finish(exec, handle);
+    } else {
+      (void)exec;
+      KOKKOSMOE_REQUIRE(handle.combined, to_string(X::algorithm) << " combine_finish: the handle was not combined");
+    }
+  }
+  bool overlaps() const override { return starts; }
   ExchangeConfig const& config() const override { return x_.config(); }
   Topology::CommunicatorSet const& communicators() const override { return x_.communicators(); }
 
  private:
+  static constexpr bool starts = has_start_forms<X, T, Exec, MS>::value;
   X x_;
 };
 

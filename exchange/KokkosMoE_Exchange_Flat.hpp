@@ -40,6 +40,18 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
   DispatchHandle<T, MemorySpace> dispatch(ExecutionSpace const& exec, RoutePlan<MemorySpace> const& routes,
                                           DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden,
                                           int wave = 0) {
+    auto h = dispatch_start(exec, routes, plan, hidden, wave);
+    dispatch_finish(exec, h);
+    return h;
+  }
+
+  /// \brief The first half of dispatch: pack, count agreement, rows posted.
+  /// The returned handle is in flight (its send and receive buffers are its
+  /// own) until dispatch_finish; the caller may compute meanwhile.
+  template <class T>
+  DispatchHandle<T, MemorySpace> dispatch_start(ExecutionSpace const& exec, RoutePlan<MemorySpace> const& routes,
+                                                DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden,
+                                                int wave = 0) {
     auto const& ep = this->comms_->ep();
     int const d = static_cast<int>(hidden.extent(1));
     Kokkos::Timer timer;
@@ -59,34 +71,62 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     index_t const n = Impl::total(agreed.recv);
     auto arrived = payload_buffer(this->work_, exec, "arrived", this->config_.payload, d, n);
     h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", n);
-    this->transport_->alltoallv(exec, ep, {RowSet<MemorySpace>{send.bytes, arrived.bytes}, RowSet<MemorySpace>{as_rows(meta), as_rows(h.arrived_meta)}},
-                                plan.counts, agreed.recv, "flat dispatch rows", this->options());
+    h.flight = this->transport_->start_alltoallv(
+        exec, ep, {RowSet<MemorySpace>{send.bytes, arrived.bytes}, RowSet<MemorySpace>{as_rows(meta), as_rows(h.arrived_meta)}},
+        plan.counts, agreed.recv, "flat dispatch rows", this->options());
+    h.ledger = this->new_ledger(d);
+    StageLedger stage{"all-to-all", ep.name()};
+    add_sends(stage, plan.counts, ep.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta));
+    h.ledger.dispatch.stages.push_back(stage);
+    h.ledger.dispatch.useful_rows = n;
+    h.pending = arrived;
+    h.seconds = timer.seconds();
+    return h;
+  }
+
+  /// \brief The second half of dispatch: waits for the rows (under the
+  /// watchdog) and repacks them expert-major; the handle is then delivered.
+  template <class T>
+  void dispatch_finish(ExecutionSpace const& exec, DispatchHandle<T, MemorySpace>& h) {
+    auto const& ep = this->comms_->ep();
+    Kokkos::Timer timer;
+    KOKKOSMOE_REQUIRE(!h.delivered && h.pending.has_value(), "flat dispatch_finish: the handle is not a dispatch in flight");
+    h.flight.finish();
+    auto const arrived = std::any_cast<PayloadBuffer<MemorySpace>>(h.pending);
+    h.pending.reset();
+    int const d = arrived.width;
     agree(ep.comm(), problem_of([&] {
             h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
             this->set_expert_rows(exec, h, h.repack.slot_counts, d);
             repack(exec, h.repack, arrived, h.expert_rows);
           }),
           "flat dispatch repack", this->config_.watchdog_seconds);
-    h.ledger = this->new_ledger(d);
-    StageLedger stage{"all-to-all", ep.name()};
-    add_sends(stage, plan.counts, ep.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta));
     Compat::fence(exec, "KokkosMoE::FlatExchange::dispatch");
-    stage.seconds = timer.seconds();
-    h.ledger.dispatch.stages.push_back(stage);
-    h.ledger.dispatch.useful_rows = n;
-    return h;
+    h.seconds += timer.seconds();
+    h.ledger.dispatch.stages.back().seconds = h.seconds;
+    h.delivered = true;
   }
 
   /// \brief Collective: the exact reverse of the handle's dispatch.
   /// expert_out holds one output row per expert row (expert-major); returned
   /// (one row per dispatched route, the return payload) receives them in the
   /// plan's send order, ready for combine(). Rejects, on every rank, a handle
-  /// of another algorithm, communicator epoch or placement generation, a
-  /// second combine, counts that disagree, and a non-empty local_problem
-  /// (this rank could not produce expert_out, e.g. its experts failed).
+  /// of another algorithm, communicator epoch or placement generation, one
+  /// whose dispatch has not finished, a second combine, counts that
+  /// disagree, and a non-empty local_problem (this rank could not produce
+  /// expert_out, e.g. its experts failed).
   template <class T>
   void combine(ExecutionSpace const& exec, DispatchHandle<T, MemorySpace>& h, RowMatrix<T, MemorySpace> const& expert_out,
                PayloadBuffer<MemorySpace> const& returned, std::string const& local_problem = {}) {
+    combine_start(exec, h, expert_out, returned, local_problem);
+    combine_finish(exec, h);
+  }
+
+  /// \brief The first half of combine: checks, unrepack, count agreement,
+  /// rows posted; `returned` is written when combine_finish returns.
+  template <class T>
+  void combine_start(ExecutionSpace const& exec, DispatchHandle<T, MemorySpace>& h, RowMatrix<T, MemorySpace> const& expert_out,
+                     PayloadBuffer<MemorySpace> const& returned, std::string const& local_problem = {}) {
     auto const& ep = this->comms_->ep();
     int const d = static_cast<int>(h.expert_rows.extent(1));
     Kokkos::Timer timer;
@@ -97,15 +137,26 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
       unrepack(exec, h.repack, expert_out, back);
     });
     auto const agreed = agree_counts(ep, h.recv_counts, h.repack.rows(), &h.plan.counts, "flat combine counts", this->options(), problem);
-    this->transport_->alltoallv(exec, ep, {RowSet<MemorySpace>{back.bytes, returned.bytes}}, h.recv_counts, agreed.recv,
-                                "flat combine rows", this->options());
+    h.combine_started = true;
+    h.flight = this->transport_->start_alltoallv(exec, ep, {RowSet<MemorySpace>{back.bytes, returned.bytes}}, h.recv_counts, agreed.recv,
+                                                 "flat combine rows", this->options());
     this->set_combine_format(h.ledger, d);
     StageLedger stage{"all-to-all (reverse)", ep.name()};
     add_sends(stage, h.recv_counts, ep.peer_order(), this->me_, this->node_of_rank_, back.row_bytes(), 0);
-    Compat::fence(exec, "KokkosMoE::FlatExchange::combine");
-    stage.seconds = timer.seconds();
     h.ledger.combine.stages = {stage};
     h.ledger.combine.useful_rows = h.plan.rows();
+    h.seconds = timer.seconds();
+  }
+
+  /// \brief The second half of combine: returns with `returned` written.
+  template <class T>
+  void combine_finish(ExecutionSpace const& exec, DispatchHandle<T, MemorySpace>& h) {
+    Kokkos::Timer timer;
+    KOKKOSMOE_REQUIRE(h.combine_started && !h.combined, "flat combine_finish: the handle is not a combine in flight");
+    h.flight.finish();
+    Compat::fence(exec, "KokkosMoE::FlatExchange::combine");
+    h.seconds += timer.seconds();
+    h.ledger.combine.stages.back().seconds = h.seconds;
     h.combined = true;
   }
 

@@ -18,6 +18,7 @@
 #include <KokkosMoE_PayloadBuffer.hpp>
 #include <KokkosMoE_PlacementRegistry.hpp>
 #include <KokkosMoE_RoutePlan.hpp>
+#include <KokkosMoE_Exchange_Transport.hpp>
 
 #include <any>
 #include <cstdint>
@@ -82,8 +83,18 @@ struct DispatchHandle {
   RepackPlan<MemorySpace> repack;
 
   ByteLedger ledger;     ///< this rank's moves (combine's filled by combine)
-  bool combined = false;
   std::any state;        ///< the algorithm's own record for the reverse
+
+  // Completion. dispatch_start returns a handle whose rows are still moving
+  // (delivered false): nothing may read expert_rows before dispatch_finish.
+  // combine_start leaves the returned rows moving until combine_finish
+  // (combined true). `flight` holds the transfer and its buffers meanwhile.
+  bool delivered = false;
+  bool combine_started = false;
+  bool combined = false;
+  RowsInFlight flight;
+  std::any pending;      ///< the algorithm's record between start and finish
+  double seconds = 0;    ///< time spent inside this direction's start and finish
 
   index_t rows() const { return static_cast<index_t>(expert_rows.extent(0)); }
   int num_local_slots() const { return static_cast<int>(expert_counts.size()); }

@@ -92,6 +92,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     h.ledger.dispatch.stages.back().seconds = lap();  // scatter plus restoring the flat arrival order
     h.ledger.dispatch.useful_rows = h.repack.rows();
     h.state = std::move(st);
+    h.delivered = true;
     return h;
   }
 

@@ -110,6 +110,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     h.ledger.dispatch.useful_rows = (wave_routes - h.ledger.dispatch.sender_drops) - receiver_drops;
     h.ledger.combine.useful_rows = h.ledger.dispatch.useful_rows;
     h.state = std::move(st);
+    h.delivered = true;
     return h;
   }
 

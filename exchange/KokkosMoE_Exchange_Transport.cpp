@@ -61,6 +61,13 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
   MPI_Type_free(&row);  // deferred by MPI until the operations complete
 }
 
+void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending) {
+  for (auto& p : pending) {
+    int flag = 0;
+    KOKKOSMOE_MPI_CHECK(MPI_Test(&p.request, &flag, MPI_STATUS_IGNORE), comm.comm());
+  }
+}
+
 void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending, char const* what,
               TransportOptions const& options) {
   Watchdog dog(options.watchdog_seconds);

@@ -23,6 +23,7 @@
 
 #include <mpi.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +45,59 @@ struct RowSet {
 /// MPI has it, else false.
 bool mpi_is_cuda_aware();
 
+/// \brief Rows of a started all-to-all (Transport::start_alltoallv): the
+/// send buffers are read and the receive buffers written until finish()
+/// returns; progress() advances the transfer without blocking. Empty (done)
+/// when the transport moved the rows before returning. Movable only; one
+/// destroyed while in flight waits for its transfer under the watchdog first,
+/// so no buffer is released while MPI may still touch it.
+class RowsInFlight {
+ public:
+  RowsInFlight() = default;
+  RowsInFlight(std::function<void()> progress, std::function<void()> wait)
+      : progress_(std::move(progress)), wait_(std::move(wait)) {}
+  RowsInFlight(RowsInFlight const&) = delete;
+  RowsInFlight& operator=(RowsInFlight const&) = delete;
+  RowsInFlight(RowsInFlight&& o) noexcept : progress_(std::move(o.progress_)), wait_(std::move(o.wait_)) {
+    o.progress_ = nullptr;
+    o.wait_ = nullptr;
+  }
+  RowsInFlight& operator=(RowsInFlight&& o) noexcept {
+    if (this != &o) {
+      drain();
+      progress_ = std::move(o.progress_);
+      wait_ = std::move(o.wait_);
+      o.progress_ = nullptr;
+      o.wait_ = nullptr;
+    }
+    return *this;
+  }
+  ~RowsInFlight() { drain(); }
+
+  bool in_flight() const { return static_cast<bool>(wait_); }
+  void progress() {
+    if (progress_) progress_();
+  }
+  /// Returns with the receive rows written (throws the watchdog's error).
+  void finish() {
+    if (!wait_) return;
+    auto w = std::move(wait_);
+    wait_ = nullptr;
+    progress_ = nullptr;
+    w();
+  }
+
+ private:
+  void drain() noexcept {
+    try {
+      finish();
+    } catch (...) {
+    }
+  }
+  std::function<void()> progress_;
+  std::function<void()> wait_;
+};
+
 namespace Impl {
 
 /// A pending nonblocking operation with the peer it waits for.
@@ -52,6 +106,9 @@ struct Pending {
   int peer_slot;
   bool receive;
 };
+
+/// Tests every request once (advances the transfers, never blocks).
+void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending);
 
 /// Waits for every request under the watchdog. On timeout cancels what is
 /// left and throws Error naming the communicator, this rank and the peer slots
@@ -70,11 +127,13 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
 /// \brief Moves every RowSet's rows over comm with MPI. Counts are per peer
 /// slot of comm and must already be agreed (see agree_counts). Fences exec
 /// before posting (the send rows must be complete) and returns with the
-/// receive rows written.
+/// receive rows written; with `start`, returns the posted transfer in flight
+/// instead when MPI reads and writes the buffers directly (host memory or
+/// CUDA-aware MPI; a host-staged transfer completes before returning).
 template <class Exec, class MS>
-void mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MS>> const& sets,
-                        std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
-                        TransportOptions const& options = {}) {
+RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MS>> const& sets,
+                                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
+                                TransportOptions const& options = {}, bool start = false) {
   int const P = comm.size();
   int const me = comm.my_slot();
   KOKKOSMOE_REQUIRE(static_cast<int>(send_counts.size()) == P && static_cast<int>(recv_counts.size()) == P,
@@ -109,8 +168,17 @@ void mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, st
     int tag = 7000;
     for (auto const& s : sets)
       Impl::post_rows(comm, s.recv.data(), s.send.data(), s.send.extent(1), send_counts, recv_counts, tag++, pending);
-    Impl::wait_all(comm, pending, what, options);
-    return;
+    if (!start) {
+      Impl::wait_all(comm, pending, what, options);
+      return {};
+    }
+    // The flight keeps the buffers (views), the requests and what the
+    // watchdog's message needs until it finishes.
+    auto state = std::make_shared<std::vector<Impl::Pending>>(std::move(pending));
+    Topology::Communicator const* c = &comm;
+    std::string const label = what;
+    return RowsInFlight([state, c] { Impl::test_all(*c, *state); },
+                        [state, c, sets, label, options] { Impl::wait_all(*c, *state, label.c_str(), options); });
   }
   // Host staging: copy send rows out, receive into host rows, copy back.
   std::vector<typename Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>::HostMirror> hs, hr;
@@ -132,6 +200,7 @@ void mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, st
       if (p != me && recv_counts[p] > 0)
         copy_row_range(exec, sets[i].recv, roff[p], hr[i], roff[p], recv_counts[p]);
   Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: staged back");
+  return {};
 }
 
 /// \brief A transport: moves rows of buffer pairs over one communicator of a
@@ -148,6 +217,15 @@ class Transport {
   virtual void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                          std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
                          TransportOptions const& options) = 0;
+  /// The same transfer, started: the rows are moved when the returned flight
+  /// finishes (the caller keeps exec's earlier work complete and may compute
+  /// meanwhile). A transport that cannot overlap moves them before returning.
+  virtual RowsInFlight start_alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
+                                       std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts,
+                                       char const* what, TransportOptions const& options) {
+    alltoallv(exec, comm, sets, send_counts, recv_counts, what, options);
+    return {};
+  }
 };
 
 /// \brief The MPI transport (every build).
@@ -159,6 +237,11 @@ class MpiTransport final : public Transport<Exec, MemorySpace> {
                  std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
                  TransportOptions const& options) override {
     mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options);
+  }
+  RowsInFlight start_alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
+                               std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
+                               TransportOptions const& options) override {
+    return mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options, /*start=*/true);
   }
 };
 

@@ -1,12 +1,13 @@
 #!/usr/bin/python3
 """Figures from a kmoe-layer run: stage time breakdown, ledger bars
-(same-rank / intra-node / inter-node bytes per algorithm), drops and expert
-load over steps.
+(same-rank / intra-node / inter-node bytes per algorithm), a Gantt chart of
+the last step's tasks per rank (schedule.png), drops and expert load over
+steps.
 
     scripts/plot_report.py reports/quickstart.json [--hdf5 reports/quickstart.h5] [--out reports/figures]
 
 Needs Debian's python3-matplotlib (and python3-h5py for the time series).
-Writes stage_breakdown.png, ledger_bytes.png and, with the HDF5 file,
+Writes stage_breakdown.png, ledger_bytes.png, schedule.png and, with the HDF5 file,
 drops_and_load.png; prints the paths it wrote.
 """
 
@@ -73,6 +74,47 @@ def ledger_bytes(report, out):
     return path
 
 
+def schedule_gantt(report, out):
+    """One row per (rank, stream), one bar per task of the last step."""
+    algorithms = [a for a in report["algorithms"] if report["algorithms"][a].get("tasks_last_step")]
+    if not algorithms:
+        return None
+    fig, axes = plt.subplots(len(algorithms), 1, figsize=(9, 1.2 + 1.6 * len(algorithms) * report["ranks"] ** 0.5),
+                             squeeze=False)
+    colors = {}
+    for ax, a in zip(axes[:, 0], algorithms):
+        tasks = report["algorithms"][a]["tasks_last_step"]
+        streams = []
+        for t in tasks:
+            if t["stream"] not in streams:
+                streams.append(t["stream"])
+        labels = []
+        for r in range(report["ranks"]):
+            for s in streams:
+                labels.append(f"rank {r} {s}")
+        for t in tasks:
+            kind = t["name"].split(" ")[0]
+            color = colors.setdefault(kind, f"C{len(colors) % 10}")
+            for r in range(report["ranks"]):
+                row = r * len(streams) + streams.index(t["stream"])
+                start, end = t["start_by_rank"][r], t["end_by_rank"][r]
+                ax.barh(row, 1e3 * (end - start), left=1e3 * start, color=color, edgecolor="black", linewidth=0.3,
+                        label=kind if r == 0 else None)
+        ax.set_yticks(range(len(labels)))
+        ax.set_yticklabels(labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_title(f"{a}: {report['algorithms'][a].get('schedule', '')}, last step", fontsize=9)
+        handles, names = ax.get_legend_handles_labels()
+        unique = dict(zip(names, handles))
+        ax.legend(unique.values(), unique.keys(), fontsize=6, ncol=len(unique), loc="lower right")
+    axes[-1, 0].set_xlabel("ms from the start of the step's task graph")
+    fig.tight_layout()
+    path = os.path.join(out, "schedule.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def drops_and_load(h5path, out):
     try:
         import h5py
@@ -124,6 +166,9 @@ def main():
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.report)), "figures")
     os.makedirs(out, exist_ok=True)
     written = [stage_breakdown(report, out), ledger_bytes(report, out)]
+    gantt = schedule_gantt(report, out)
+    if gantt:
+        written.append(gantt)
     h5 = args.hdf5 or os.path.splitext(args.report)[0] + ".h5"
     if os.path.exists(h5):
         written.append(drops_and_load(h5, out))

@@ -81,6 +81,9 @@ TEST_CASE("errors name file, line, column and key", "[deck]") {
   KMOE_DECK_ERROR("[experts]\nrunner = \"scalar\"\nscales = [1, 2]\n", 1, "key 'experts.scales': has 2 entries for 8 experts");
   KMOE_DECK_ERROR("[exchange]\ntransport = \"ucx\"\n", 1, "d.toml:2:13: key 'exchange.transport': 'ucx' is not one of 'mpi' 'nccl'");
   KMOE_DECK_ERROR("[run]\ncompare = [\"flat\", \"ring\"]\n", 1, "key 'run.compare': 'ring' is not one of 'flat' 'hierarchical' 'pooled_wave'");
+  KMOE_DECK_ERROR("[run]\nschedule = \"async\"\n", 1, "key 'run.schedule': 'async' is not one of 'serial' 'shared_overlap' 'chunked' 'chunked_shared_overlap'");
+  KMOE_DECK_ERROR("[run]\nchunks = 4\n", 1, "key 'run.chunks': = 4 needs a chunked schedule (run.schedule is 'serial'");
+  KMOE_DECK_ERROR("[run]\nschedule = \"chunked\"\nchunks = 0\n", 1, "key 'run.chunks'");
   KMOE_DECK_ERROR("[experts]\nrunner = \"padded\"\nalignment = 2147483647\n", 1, "key 'experts.alignment': = 2147483647 is out of range");
   // A user's string is shown shortened.
   KMOE_DECK_ERROR("[exchange]\nalgorithm = \"" + std::string(5000, 'x') + "\"\n", 1, "... (5000 characters)' is not one of");

@@ -186,3 +186,89 @@ TEST_CASE("the transport is chosen by configuration; one this build lacks fails 
   }
   CHECK(caught);
 }
+
+TEST_CASE("every schedule gives bitwise the output of the serial one", "[layer][schedule]") {
+  int const size = kmoe_test::world_size();
+  int const rank = kmoe_test::world_rank();
+  for (std::string const algorithm : {"flat", "hierarchical", "pooled_wave"}) {
+    LayerParts parts(algorithm, size, rank);
+    auto const& deck = parts.deck;
+    Exec exec;
+    auto shared = Setup::shared_weights<float, MS>(exec, deck);
+    index_t const T = deck.tokens.per_rank;
+    int const d = deck.model.hidden;
+    auto hidden = Setup::hidden_rows<float, MS>(deck, 0, rank * T, T, rank);
+    std::vector<float> serial;
+    struct Case {
+      ScheduleKind kind;
+      int chunks;
+    };
+    for (Case const c : {Case{ScheduleKind::serial, 1}, Case{ScheduleKind::shared_overlap, 1}, Case{ScheduleKind::chunked, 2},
+                         Case{ScheduleKind::chunked, 4}, Case{ScheduleKind::chunked_shared_overlap, 3}}) {
+      INFO(algorithm << " " << to_string(c.kind) << " x" << c.chunks << " at " << size << " ranks");
+      auto config = parts.setup.config;
+      config.schedule.kind = c.kind;
+      config.schedule.chunks = c.chunks;
+      MoELayer<float, Exec, MS> layer(config, *parts.setup.comms, parts.setup.placement, parts.router_weight, parts.routed, shared);
+      RowMatrix<float, MS> out("out", T, d);
+      auto const rec = layer.forward(exec, hidden, out);
+      CHECK(rec.routes.dropped == 0);
+      CHECK(rec.ledger.dispatch.sender_drops + rec.ledger.dispatch.receiver_drops == 0);
+      CHECK(rec.schedule == to_string(c.kind) + "/" + std::to_string(c.kind == ScheduleKind::chunked || c.kind == ScheduleKind::chunked_shared_overlap ? c.chunks : 1));
+      // Every task ran once, ended after it started, and the reduce last.
+      int const waves = layer.exchange(from_string<Exchange::Algorithm>(algorithm)).waves();
+      int const C = config.schedule.step_chunks();
+      REQUIRE(rec.tasks.size() == static_cast<std::size_t>(3 + 3 * C * waves));  // route plan, shared, reduce, 3 per part
+      for (auto const& t : rec.tasks) CHECK(t.end >= t.start);
+      CHECK(rec.tasks.back().name == "reduce");
+      for (auto const& t : rec.tasks) CHECK(t.end <= rec.tasks.back().end);
+      auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
+      std::vector<float> v(h.data(), h.data() + h.size());
+      if (c.kind == ScheduleKind::serial) {
+        serial = v;
+        double norm = 0;
+        for (float x : v) norm += std::fabs(x);
+        CHECK(norm > 0);
+      } else {
+        CHECK(kmoe_test::same_bits(v, serial));
+      }
+    }
+  }
+}
+
+TEST_CASE("a step graph without a completion dependency is rejected before anything runs", "[layer][schedule][errors]") {
+  int const size = kmoe_test::world_size();
+  int const rank = kmoe_test::world_rank();
+  LayerParts parts("flat", size, rank);
+  auto const& deck = parts.deck;
+  Exec exec;
+  auto shared = Setup::shared_weights<float, MS>(exec, deck);
+  index_t const T = deck.tokens.per_rank;
+  auto hidden = Setup::hidden_rows<float, MS>(deck, 0, rank * T, T, rank);
+  struct Fault {
+    char const* task;
+    char const* after;
+    char const* message;
+  };
+  for (Fault const f : {Fault{"expert 1", "dispatch 1", "task 'expert 1' (stream compute) reads 'rows 1' that task 'dispatch 1'"},
+                        Fault{"reduce", "combine 1", "task 'reduce' (stream compute) reads 'returned 1' that task 'combine 1'"},
+                        Fault{"combine 0", "expert 0", "task 'combine 0' (stream combine) reads 'out 0' that task 'expert 0'"}}) {
+    INFO(f.task << " without " << f.after);
+    auto config = parts.setup.config;
+    config.schedule.kind = ScheduleKind::chunked_shared_overlap;
+    config.schedule.chunks = 2;
+    config.schedule.omit_task = f.task;
+    config.schedule.omit_after = f.after;
+    MoELayer<float, Exec, MS> layer(config, *parts.setup.comms, parts.setup.placement, parts.router_weight, parts.routed, shared);
+    RowMatrix<float, MS> out("out", T, deck.model.hidden);
+    Kokkos::deep_copy(out, 7.0f);
+    CHECK_THROWS_WITH(layer.forward(exec, hidden, out), Catch::Matchers::Contains(f.message));
+    // Nothing ran: the output is untouched, and the next step (a serial
+    // layer on the same ranks) still works, so no rank was left in a collective.
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
+    CHECK(h(0, 0) == 7.0f);
+  }
+  MoELayer<float, Exec, MS> ok(parts.setup.config, *parts.setup.comms, parts.setup.placement, parts.router_weight, parts.routed, shared);
+  RowMatrix<float, MS> out("out", T, deck.model.hidden);
+  CHECK_NOTHROW(ok.forward(exec, hidden, out));
+}

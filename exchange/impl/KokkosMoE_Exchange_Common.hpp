@@ -179,7 +179,9 @@ class ExchangeBase {
                                                                        << h.generation << " does not match the generation "
                                                                        << placement_.generation() << " this exchange moves rows for");
       }
-      KOKKOSMOE_REQUIRE(!h.combined, "the dispatch handle was already combined");
+      KOKKOSMOE_REQUIRE(h.delivered, "the combine got a dispatch handle whose dispatch has not finished (dispatch_finish "
+                                     "delivers the rows the experts read)");
+      KOKKOSMOE_REQUIRE(!h.combined && !h.combine_started, "the dispatch handle was already combined");
       KOKKOSMOE_REQUIRE(static_cast<index_t>(expert_out.extent(0)) == h.rows() && expert_out.extent(1) == h.expert_rows.extent(1),
                         name << " combine got " << expert_out.extent(0) << "x" << expert_out.extent(1) << " expert outputs for "
                              << h.rows() << "x" << h.expert_rows.extent(1) << " dispatched rows");

@@ -78,6 +78,12 @@ void parse_run(Reader& r, LayerDeck& d) {
   d.run.hdf5 = r.string("run.hdf5", "");
   d.run.progress_every = static_cast<int>(r.integer("run.progress_every", 0, 0, big));
   d.run.compare = r.options<Exchange::Algorithm>("run.compare");
+  d.run.schedule = r.option<ScheduleKind>("run.schedule", ScheduleKind::serial);
+  bool const chunked = d.run.schedule == ScheduleKind::chunked || d.run.schedule == ScheduleKind::chunked_shared_overlap;
+  d.run.chunks = static_cast<int>(r.integer("run.chunks", chunked ? 2 : 1, 1, 1024));
+  if (!chunked && d.run.chunks != 1)
+    r.fail("run.chunks", "= " + std::to_string(d.run.chunks) + " needs a chunked schedule (run.schedule is '" + to_string(d.run.schedule) +
+                             "'; use 'chunked' or 'chunked_shared_overlap')");
 }
 
 /// [model]
@@ -376,7 +382,8 @@ std::string LayerDeck::resolved() const {
   os.precision(9);  // floats (gates, rows, scales) parse back to the same values
   os << "# resolved configuration of " << path << "\n";
   os << "[run]\nsteps = " << run.steps << "\nwarmup = " << run.warmup << "\nseed = " << run.seed << "\nreport = " << quoted(run.report)
-     << "\nhdf5 = " << quoted(run.hdf5) << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(names_of_values(run.compare)) << "\n";
+     << "\nhdf5 = " << quoted(run.hdf5) << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(names_of_values(run.compare))
+     << "\nschedule = " << quoted(to_string(run.schedule)) << "\nchunks = " << run.chunks << "\n";
   os << "\n[model]\nhidden = " << model.hidden << "\nexperts = " << model.experts << "\ntop_k = " << model.top_k << "\nffn = " << model.ffn
      << "\nshared_experts = " << model.shared_experts << "\nshared_ffn = " << model.shared_ffn << "\ndtype = " << quoted(model.dtype)
      << "\npayload = " << quoted(to_string(model.payload)) << "\nreturn_payload = " << quoted(to_string(model.return_payload)) << "\n";

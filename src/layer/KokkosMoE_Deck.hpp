@@ -15,6 +15,7 @@
 #include <KokkosMoE_Payload.hpp>
 #include <KokkosMoE_Placement.hpp>
 #include <KokkosMoE_Router.hpp>
+#include <KokkosMoE_Schedule.hpp>
 #include <KokkosMoE_Topology.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
 #include <KokkosMoE_Types.hpp>
@@ -61,6 +62,8 @@ struct LayerDeck {
     std::string hdf5;             ///< HDF5 time series path ("" none)
     int progress_every = 0;       ///< steps between progress lines (0: about 10 lines per run)
     std::vector<KokkosMoE::Exchange::Algorithm> compare;  ///< algorithms run side by side on the same routes
+    ScheduleKind schedule = ScheduleKind::serial;  ///< how a step's tasks overlap
+    int chunks = 1;                                ///< token ranges of a chunked step
   } run;
 
   struct Model {

@@ -4,13 +4,16 @@
 /// \file KokkosMoE_Layer.hpp
 /// \brief The MoE layer end to end, as the pipeline reads:
 ///
-///     router -> plan_routes -> { dispatch -> experts -> combine_exchange } per wave
-///            -> combine -> shared_experts -> statistics
+///     router -> route plan -> { dispatch -> expert -> combine } per chunk and wave
+///            -> reduce (gate-weighted combine + shared experts) -> statistics
 ///
-/// with a step record (ledgers, drops, per-stage times) for every forward.
-/// The exchange is any algorithm of the exchange contract over the transport
-/// the configuration names (LayerConfig::exchange); the layer never moves or
-/// reorders rows itself.
+/// with a step record (ledgers, drops, per-stage times, per-task start/end)
+/// for every forward. A step is a task graph (KokkosMoE_Schedule.hpp) whose
+/// schedule the configuration chooses (LayerConfig::schedule); every
+/// schedule gives bitwise the output of the serial one. The exchange is any
+/// algorithm of the exchange contract over the transport the configuration
+/// names (LayerConfig::exchange); the layer never moves or reorders rows
+/// itself.
 
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Combine.hpp>
@@ -23,6 +26,7 @@
 #include <KokkosMoE_RoutePlan.hpp>
 #include <KokkosMoE_Router.hpp>
 #include <KokkosMoE_RowKit.hpp>
+#include <KokkosMoE_Schedule.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
 #include <KokkosMoE_Workspace.hpp>
 
@@ -45,6 +49,16 @@ struct LayerConfig {
   /// (its top_k is the router's; tokens_per_rank the largest T of any rank).
   Exchange::ExchangeConfig exchange;
   ReplicaPolicy replica_policy = ReplicaPolicy::locality;
+  ScheduleConfig schedule;        ///< serial, shared_overlap, chunked, both; chunks
+};
+
+/// \brief One task of a step as it ran on this rank: seconds from the start
+/// of the step's task graph.
+struct TaskRecord {
+  std::string name;
+  std::string stream;
+  double start = 0;
+  double end = 0;
 };
 
 /// \brief What one forward did.
@@ -56,7 +70,9 @@ struct StepRecord {
   Exchange::ByteLedger ledger;         ///< this rank's exchange ledger (every wave)
   Experts::RunLedger experts;          ///< routed experts (last wave for pooled-wave)
   std::vector<index_t> expert_counts;  ///< accepted routes per logical expert (this rank's)
+  std::string schedule;                ///< schedule name and chunks, e.g. "chunked/2"
   std::map<std::string, double> seconds;  ///< per stage, fenced; "total" is the whole forward
+  std::vector<TaskRecord> tasks;       ///< the step graph's tasks, measured
   double unaccounted_seconds() const {
     double s = 0;
     for (auto const& kv : seconds)
@@ -186,7 +202,28 @@ class MoELayer {
   // CUDA forbids extended device lambdas inside private member functions;
   // they are not part of the interface.
 
-  /// A step on given routes: every stage below, timed.
+  /// \brief One token range of a step: its rows, routes and plans, and the
+  /// buffer its combines return rows into.
+  struct Chunk {
+    index_t first = 0;
+    RowMatrix<T, MemorySpace> hidden, out;
+    RouteTable<MemorySpace> table;
+    Kokkos::View<int**, Kokkos::LayoutRight, MemorySpace> explicit_slot;
+    Plans plans;
+    PayloadBuffer<MemorySpace> returned;
+  };
+
+  /// \brief One dispatch -> expert -> combine of a chunk and wave.
+  struct Part {
+    int chunk = 0;
+    int wave = 0;
+    Exchange::DispatchHandle<T, MemorySpace> handle;
+    RowMatrix<T, MemorySpace> expert_out;
+    std::string problem;  ///< this rank's expert failure, handed to the combine
+    bool combined = false;  ///< its rows are back in the chunk's return buffer
+  };
+
+  /// A step on given routes: the schedule's task graph, every task timed.
   void run_step(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RouteTable<MemorySpace> const& table,
                 RowMatrix<T, MemorySpace> const& out, StepRecord& rec, Exchange::Algorithm algorithm,
                 Kokkos::View<int**, Kokkos::LayoutRight, MemorySpace> const& explicit_slot = {}) {
@@ -195,16 +232,95 @@ class MoELayer {
     rec.transport = to_string(x.transport());
     rec.tokens = static_cast<index_t>(hidden.extent(0));
     rec.routes = table.counts;
-    Plans const plans = plan_routes(exec, hidden, table, out, explicit_slot, rec);
-    auto const returned = exchange_and_experts(exec, x, plans, hidden, rec);
-    {
-      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine");
-      combine(exec, plans.routes, plans.dispatch, returned, out);
+    ScheduleConfig const& sc = config_.schedule;
+    int const C = sc.step_chunks();
+    int const W = x.waves();
+    bool const has_shared = shared_ && shared_->num_slots() > 0;
+    rec.schedule = to_string(sc.kind) + "/" + std::to_string(C);
+    TaskGraph const graph = layer_step_graph(sc, W, has_shared);
+
+    std::vector<Chunk> chunks(static_cast<std::size_t>(C));
+    std::vector<Part> parts;
+    for (int c = 0; c < C; ++c)
+      for (int w = 0; w < W; ++w) {
+        parts.emplace_back();
+        parts.back().chunk = c;
+        parts.back().wave = w;
+      }
+    RowMatrix<float, MemorySpace> shared_y;
+    auto part_of = [&](std::string const& name, std::size_t prefix) -> Part& {
+      std::string const p = name.substr(prefix);
+      for (auto& q : parts)
+        if (part_name(q.chunk, q.wave, W) == p) return q;
+      KOKKOSMOE_THROW("MoE layer: no part '" << p << "' in the step");
+    };
+    auto begins = [](std::string const& s, char const* head) { return s.rfind(head, 0) == 0; };
+
+    std::vector<TaskBody> bodies(static_cast<std::size_t>(graph.size()));
+    for (int i = 0; i < graph.size(); ++i) {
+      std::string const& name = graph.task(i).name;
+      TaskBody& b = bodies[static_cast<std::size_t>(i)];
+      if (name == "route plan") {
+        b.issue = [&, C] { plan_chunks(exec, hidden, table, out, explicit_slot, C, chunks, rec); };
+      } else if (begins(name, "dispatch ")) {
+        Part* q = &part_of(name, 9);
+        b.issue = [&, q] {
+          Chunk& c = chunks[static_cast<std::size_t>(q->chunk)];
+          q->handle = x.dispatch_start(exec, c.plans.routes, c.plans.dispatch, c.hidden, q->wave);
+        };
+        b.complete = [&, q] {
+          x.dispatch_finish(exec, q->handle);
+          rec.seconds["dispatch"] += q->handle.seconds;
+        };
+        b.progress = [q] { q->handle.flight.progress(); };
+      } else if (begins(name, "expert ")) {
+        Part* q = &part_of(name, 7);
+        b.issue = [&, q] {
+          Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "experts");
+          // A failure here is handed to the combine, which fails every rank.
+          q->problem = problem_of([&] { q->expert_out = run_experts(exec, q->handle, rec); });
+        };
+      } else if (begins(name, "combine ")) {
+        Part* q = &part_of(name, 8);
+        b.issue = [&, q] {
+          x.combine_start(exec, q->handle, q->expert_out, chunks[static_cast<std::size_t>(q->chunk)].returned, q->problem);
+          q->expert_out = {};  // consumed: its rows are in the combine's send buffer
+        };
+        b.complete = [&, q] {
+          x.combine_finish(exec, q->handle);
+          rec.seconds["combine_exchange"] += q->handle.seconds;
+          rec.ledger.append(q->handle.ledger);
+          q->combined = true;
+          q->handle = {};  // its buffers go back to the exchange's workspace
+        };
+        b.progress = [q] { q->handle.flight.progress(); };
+      } else if (name == "shared experts") {
+        b.issue = [&] {
+          Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "shared_experts");
+          shared_y = compute_shared(exec, hidden);
+        };
+      } else if (name == "reduce") {
+        b.issue = [&] {
+          for (auto const& q : parts)
+            KOKKOSMOE_REQUIRE(q.combined, "MoE layer reduce: the combine of part " << part_name(q.chunk, q.wave, W) << " has not finished");
+          {
+            Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine");
+            for (auto const& c : chunks) combine(exec, c.plans.routes, c.plans.dispatch, c.returned, c.out);
+          }
+          if (has_shared) {
+            Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "shared_experts");
+            add_shared(exec, shared_y, out);
+          }
+        };
+      } else {
+        KOKKOSMOE_THROW("MoE layer: no body for task '" << name << "' of the " << graph.name());
+      }
     }
-    if (shared_ && shared_->num_slots() > 0) {
-      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "shared_experts");
-      add_shared(exec, hidden, out);
-    }
+    auto const times = graph.execute(bodies);
+    rec.tasks.clear();
+    for (int i = 0; i < graph.size(); ++i)
+      rec.tasks.push_back({graph.task(i).name, graph.task(i).stream, times[static_cast<std::size_t>(i)].start,
+                           times[static_cast<std::size_t>(i)].end});
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "statistics");
       auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), table.expert_counts);
@@ -212,65 +328,69 @@ class MoELayer {
     }
   }
 
-  /// route_plan: accepted routes with their physical slots and destinations,
-  /// and their send plan. Local work; its problems (bad shapes, bad routes)
-  /// are agreed on by every rank before anything moves, so a bad input on one
-  /// rank fails all ranks instead of leaving the others waiting.
-  Plans plan_routes(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RouteTable<MemorySpace> const& table,
-                    RowMatrix<T, MemorySpace> const& out, Kokkos::View<int**, Kokkos::LayoutRight, MemorySpace> const& explicit_slot,
-                    StepRecord& rec) {
+  /// route plan: per chunk (token range [T c / C, T (c + 1) / C)) the
+  /// accepted routes with their physical slots and destinations, their send
+  /// plan and their return buffer. Local work; its problems (bad shapes, bad
+  /// routes) are agreed on by every rank before anything moves, so a bad
+  /// input on one rank fails all ranks instead of leaving the others waiting.
+  void plan_chunks(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RouteTable<MemorySpace> const& table,
+                   RowMatrix<T, MemorySpace> const& out, Kokkos::View<int**, Kokkos::LayoutRight, MemorySpace> const& explicit_slot,
+                   int C, std::vector<Chunk>& chunks, StepRecord& rec) {
     int const d = config_.hidden;
-    Plans p;
     std::string const problem = problem_of([&] {
       KOKKOSMOE_REQUIRE(static_cast<int>(hidden.extent(1)) == d && out.extent(0) == hidden.extent(0) &&
                             static_cast<int>(out.extent(1)) == d,
                         "MoE layer: hidden is " << hidden.extent(0) << "x" << hidden.extent(1) << ", out " << out.extent(0) << "x"
                                                 << out.extent(1) << ", width " << d);
+      KOKKOSMOE_REQUIRE(table.num_tokens() == static_cast<index_t>(hidden.extent(0)),
+                        "MoE layer: the route table has " << table.num_tokens() << " tokens, hidden " << hidden.extent(0) << " rows");
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "route_plan");
-      p.routes = make_route_plan(exec, table, device_placement_, choice_, comms_->global_rank(), 0, explicit_slot);
-      p.dispatch = make_dispatch_plan(exec, p.routes, placement_, comms_->ep().peer_order());
+      index_t const n = static_cast<index_t>(hidden.extent(0));
+      using range = std::pair<index_t, index_t>;
+      for (int c = 0; c < C; ++c) {
+        Chunk& ch = chunks[static_cast<std::size_t>(c)];
+        index_t const t0 = n * c / C, t1 = n * (c + 1) / C;
+        ch.first = t0;
+        ch.hidden = Kokkos::subview(hidden, range(t0, t1), Kokkos::ALL);
+        ch.out = Kokkos::subview(out, range(t0, t1), Kokkos::ALL);
+        ch.table = C == 1 ? table : chunk_table(table, t0, t1);
+        if (explicit_slot.extent(0) > 0) ch.explicit_slot = Kokkos::subview(explicit_slot, range(t0, t1), Kokkos::ALL);
+        // The route id of (token, k-slot) is the step's, so a chunk picks the
+        // replicas the whole step would.
+        ch.plans.routes = make_route_plan(exec, ch.table, device_placement_, choice_, comms_->global_rank(),
+                                          t0 * ch.table.top_k(), ch.explicit_slot);
+        ch.plans.dispatch = make_dispatch_plan(exec, ch.plans.routes, placement_, comms_->ep().peer_order());
+        ch.returned = payload_buffer(work_, exec, "returned_" + std::to_string(c), config_.exchange.return_payload, d,
+                                     ch.plans.dispatch.rows());
+      }
     });
     agree(comms_->ep().comm(), problem, "MoE layer forward", config_.exchange.watchdog_seconds);
-    return p;
   }
 
-  /// dispatch -> experts -> combine_exchange for every wave of the exchange;
-  /// returns one expert output row per dispatched route in send order.
-  PayloadBuffer<MemorySpace> exchange_and_experts(ExecutionSpace const& exec, exchange_type& x, Plans const& plans,
-                                                  RowMatrix<T, MemorySpace> const& hidden, StepRecord& rec) {
-    auto const returned = payload_buffer(work_, exec, "returned", config_.exchange.return_payload, config_.hidden, plans.dispatch.rows());
-    for (int w = 0; w < x.waves(); ++w) {
-      Exchange::DispatchHandle<T, MemorySpace> h;
-      {
-        Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "dispatch");
-        h = x.dispatch(exec, plans.routes, plans.dispatch, hidden, w);
-      }
-      RowMatrix<T, MemorySpace> y;
-      std::string problem;
-      {
-        Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "experts");
-        // A failure here is handed to the combine, which fails every rank.
-        problem = problem_of([&] { y = run_experts(exec, h, rec); });
-      }
-      {
-        Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine_exchange");
-        x.combine(exec, h, y, returned, problem);
-      }
-      rec.ledger.append(h.ledger);
-    }
-    return returned;
+  /// The routes of tokens [t0, t1) of a table (views into it).
+  static RouteTable<MemorySpace> chunk_table(RouteTable<MemorySpace> const& table, index_t t0, index_t t1) {
+    using range = std::pair<index_t, index_t>;
+    RouteTable<MemorySpace> c;
+    c.expert = Kokkos::subview(table.expert, range(t0, t1), Kokkos::ALL);
+    c.gate = Kokkos::subview(table.gate, range(t0, t1), Kokkos::ALL);
+    c.accepted = Kokkos::subview(table.accepted, range(t0, t1), Kokkos::ALL);
+    c.expert_counts = table.expert_counts;
+    c.counts = table.counts;
+    return c;
   }
 
-  /// experts: the routed experts on the handle's expert-major rows.
+  /// experts: the routed experts on the handle's expert-major rows, which
+  /// must have been delivered (dispatch finished).
   RowMatrix<T, MemorySpace> run_experts(ExecutionSpace const& exec, Exchange::DispatchHandle<T, MemorySpace> const& h, StepRecord& rec) {
+    KOKKOSMOE_REQUIRE(h.delivered, "MoE layer: the experts would read the rows of a dispatch that has not finished");
     auto y = work_.template matrix<T>(exec, "expert_out", h.rows(), static_cast<std::size_t>(config_.hidden));
     rec.experts = runner_.run(exec, routed_, h.expert_rows, h.expert_offsets_d, y);
     return y;
   }
 
-  /// shared_experts: out += sum over shared experts of SwiGLU(hidden) (FP32,
-  /// expert order).
-  void add_shared(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RowMatrix<T, MemorySpace> const& out) {
+  /// shared experts: y [S n, d] = SwiGLU of every shared expert on hidden
+  /// (FP32), segment s for shared expert s.
+  RowMatrix<float, MemorySpace> compute_shared(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden) {
     int const S = shared_->num_slots();
     index_t const n = static_cast<index_t>(hidden.extent(0));
     int const d = config_.hidden;
@@ -287,6 +407,16 @@ class MoELayer {
     }
     auto y = work_.template matrix<float>(exec, "shared_y", n * S, static_cast<std::size_t>(d));
     shared_runner_.run(exec, *shared_, x, shared_offsets_, y);
+    return y;
+  }
+
+  /// out += sum over shared experts of their outputs y (FP32, expert order).
+  void add_shared(ExecutionSpace const& exec, RowMatrix<float, MemorySpace> const& y, RowMatrix<T, MemorySpace> const& out) {
+    int const S = shared_->num_slots();
+    index_t const n = static_cast<index_t>(out.extent(0));
+    int const d = config_.hidden;
+    KOKKOSMOE_REQUIRE(static_cast<index_t>(y.extent(0)) == n * S, "MoE layer: shared expert outputs have " << y.extent(0)
+                                                                  << " rows for " << n << " tokens and " << S << " experts");
     Kokkos::parallel_for(
         "KokkosMoE::Layer::add_shared", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, n), KOKKOS_LAMBDA(index_t t) {
           for (int c = 0; c < d; ++c) {

@@ -139,6 +139,8 @@ inline LayerConfig layer_config(LayerDeck const& d, Placement const& placement) 
     c.shared_runner.kind = Experts::RunnerKind::grouped;
   c.exchange = exchange_config(d);
   c.replica_policy = d.placement.replica_policy;
+  c.schedule.kind = d.run.schedule;
+  c.schedule.chunks = d.run.chunks;
   return c;
 }
 
