@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <queue>
 #include <sstream>
 
 namespace KokkosMoE {
@@ -46,19 +47,22 @@ void balanced_packing(std::vector<W> const& weight, int packs, std::vector<int>&
   std::vector<int> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return weight[a] > weight[b]; });
-  std::vector<W> pack_weight(static_cast<std::size_t>(packs), W(0));
+  // The lightest pack that is not full (ties: the lowest index), from a
+  // heap: O(n log packs).
   std::vector<int> pack_items(static_cast<std::size_t>(packs), 0);
+  using entry = std::pair<W, int>;
+  std::priority_queue<entry, std::vector<entry>, std::greater<entry>> open;
+  for (int p = 0; p < packs; ++p)
+    if (per_pack > 0) open.push({W(0), p});
   pack_of.assign(static_cast<std::size_t>(n), -1);
   pos_in_pack.assign(static_cast<std::size_t>(n), -1);
   for (int i : order) {
-    int best = -1;
-    for (int p = 0; p < packs; ++p) {
-      if (pack_items[p] >= per_pack) continue;
-      if (best < 0 || pack_weight[p] < pack_weight[best]) best = p;
-    }
+    if (open.empty()) break;  // n is a multiple of packs: never before the last item
+    auto [w, best] = open.top();
+    open.pop();
     pack_of[i] = best;
     pos_in_pack[i] = pack_items[best]++;
-    pack_weight[best] += weight[i];
+    if (pack_items[best] < per_pack) open.push({w + weight[i], best});
   }
 }
 
@@ -255,22 +259,26 @@ LayerPlacement eplb_layer(std::vector<double> const& load, PlacementSpec const& 
     std::vector<int> item_local(static_cast<std::size_t>(local_experts));
     std::iota(item_local.begin(), item_local.end(), 0);
     std::vector<int> item_replica(static_cast<std::size_t>(local_experts), 0);
+    // The expert with the largest load per copy gets the next copy (ties:
+    // the lowest local index), from a heap: O((slots - experts) log experts).
+    auto larger = [&](int j, int best) {
+      if (exact)  // load_j / copies_j > load_best / copies_best, exactly.
+        return static_cast<int128_t>(iload[experts[j]]) * copies[best] > static_cast<int128_t>(iload[experts[best]]) * copies[j];
+      return load[experts[j]] / copies[j] > load[experts[best]] / copies[best];
+    };
+    // Heap order: a below b when b should be chosen first.
+    auto below = [&](int a, int b) { return larger(b, a) || (!larger(a, b) && b < a); };
+    std::priority_queue<int, std::vector<int>, decltype(below)> next(below);
+    KOKKOSMOE_REQUIRE(local_experts > 0 || slots_per_node == 0, "EPLB: node " << n << " got no experts for its " << slots_per_node << " slots");
+    if (slots_per_node > local_experts)
+      for (int j = 0; j < local_experts; ++j) next.push(j);
     for (int i = local_experts; i < slots_per_node; ++i) {
-      int best = 0;
-      for (int j = 1; j < local_experts; ++j) {
-        bool larger;
-        if (exact) {
-          // load_j / copies_j > load_best / copies_best, exactly.
-          larger = static_cast<int128_t>(iload[experts[j]]) * copies[best] >
-                   static_cast<int128_t>(iload[experts[best]]) * copies[j];
-        } else {
-          larger = load[experts[j]] / copies[j] > load[experts[best]] / copies[best];
-        }
-        if (larger) best = j;
-      }
+      int const best = next.top();
+      next.pop();
       item_expert.push_back(experts[best]);
       item_local.push_back(best);
       item_replica.push_back(copies[best]++);
+      next.push(best);
     }
     // Step 3: copies -> ranks of the node, weighted by load / copies.
     std::vector<int> pack_of, pos_in_pack;
