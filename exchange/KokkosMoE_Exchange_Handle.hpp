@@ -94,6 +94,7 @@ struct DispatchHandle {
   bool combined = false;
   RowsInFlight flight;
   std::any pending;      ///< the algorithm's record between start and finish
+  PayloadBuffer<MemorySpace> pending_returned;  ///< a combine in flight: the caller's return buffer
   double seconds = 0;    ///< time spent inside this direction's start and finish
 
   index_t rows() const { return static_cast<index_t>(expert_rows.extent(0)); }

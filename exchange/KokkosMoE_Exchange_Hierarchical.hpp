@@ -18,6 +18,8 @@
 /// relay_to_relay -> relay_scatter -> restore_flat_order (arrival metadata,
 /// repack, expert rows gathered straight from the final buffer).
 /// combine = uncanonical -> reverse_scatter -> reverse_relay -> reverse_gather.
+/// The start forms post the last stage and return (dispatch_start before
+/// restore_flat_order, combine_start before the final unpermute).
 
 #include <KokkosMoE_CountingSort.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
@@ -46,6 +48,14 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     index_view canonical_from;  ///< arrival position -> position in the final buffer
   };
 
+  /// \brief What a dispatch in flight keeps until dispatch_finish.
+  struct Flight {
+    PayloadBuffer<MS> r1;
+    meta_view r1_meta;
+    PayloadBuffer<MS> r3;
+    meta_view r3_meta;
+  };
+
   HierarchicalExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},
                        PlacementRegistry const* registry = nullptr)
       : base(algorithm, comms, std::move(placement), config, registry) {
@@ -70,7 +80,18 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   template <class T>
   DispatchHandle<T, MS> dispatch(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
                                  RowMatrix<T, MS> const& hidden, int wave = 0) {
+    auto h = dispatch_start(exec, routes, plan, hidden, wave);
+    dispatch_finish(exec, h);
+    return h;
+  }
+
+  /// \brief Stages 1 and 2, and stage 3 posted: the handle is in flight
+  /// until dispatch_finish (the relay scatter's rows still moving).
+  template <class T>
+  DispatchHandle<T, MS> dispatch_start(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
+                                       RowMatrix<T, MS> const& hidden, int wave = 0) {
     auto const& comms = *this->comms_;
+    Kokkos::Timer timer;
     Impl::Lap<Exec> lap(exec);
     auto h = this->template new_handle<T>(routes, plan, wave);
     int const d = static_cast<int>(hidden.extent(1));
@@ -87,34 +108,86 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     State st;
     auto [r1, r1_meta] = gather_to_relay(exec, st, routes, plan, hidden, meta, h.ledger, lap);
     auto [r2, r2_meta] = relay_to_relay(exec, st, r1, r1_meta, h.ledger, lap);
-    auto [r3, r3_meta] = relay_scatter(exec, st, r2, r2_meta, h.ledger);
-    restore_flat_order(exec, st, h, r1, r1_meta, r3, r3_meta);
-    h.ledger.dispatch.stages.back().seconds = lap();  // scatter plus restoring the flat arrival order
-    h.ledger.dispatch.useful_rows = h.repack.rows();
+    Flight f{r1, r1_meta, {}, {}};
+    std::tie(f.r3, f.r3_meta) = relay_scatter(exec, st, r2, r2_meta, h.ledger, &h.flight);
+    h.ledger.dispatch.stages.back().seconds = lap();
     h.state = std::move(st);
-    h.delivered = true;
+    h.pending = std::move(f);
+    h.seconds = timer.seconds();
     return h;
+  }
+
+  /// \brief Waits for the relay scatter and restores the flat arrival order;
+  /// the handle is then delivered.
+  template <class T>
+  void dispatch_finish(Exec const& exec, DispatchHandle<T, MS>& h) {
+    Kokkos::Timer timer;
+    KOKKOSMOE_REQUIRE(!h.delivered && h.pending.has_value(), "hierarchical dispatch_finish: the handle is not a dispatch in flight");
+    h.flight.finish();
+    auto const f = std::any_cast<Flight>(h.pending);
+    h.pending.reset();
+    State& st = std::any_cast<State&>(h.state);
+    restore_flat_order(exec, st, h, f.r1, f.r1_meta, f.r3, f.r3_meta);
+    Compat::fence(exec, "KokkosMoE::HierarchicalExchange::dispatch");
+    double const finish = timer.seconds();
+    h.seconds += finish;
+    h.ledger.dispatch.stages.back().seconds += finish;  // scatter plus restoring the flat arrival order
+    h.ledger.dispatch.useful_rows = h.repack.rows();
+    h.delivered = true;
   }
 
   /// \brief The exact reverse of the handle's three stages; see FlatExchange::combine.
   template <class T>
   void combine(Exec const& exec, DispatchHandle<T, MS>& h, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& returned,
                std::string const& local_problem = {}) {
+    combine_start(exec, h, expert_out, returned, local_problem);
+    combine_finish(exec, h);
+  }
+
+  /// \brief The reverse stages 3 and 2, and the reverse of stage 1 posted;
+  /// `returned` is written when combine_finish returns.
+  template <class T>
+  void combine_start(Exec const& exec, DispatchHandle<T, MS>& h, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& returned,
+                     std::string const& local_problem = {}) {
     auto const& comms = *this->comms_;
+    Kokkos::Timer timer;
     Impl::Lap<Exec> lap(exec);
     State const* st = std::any_cast<State>(&h.state);
     std::string problem = local_problem.empty() ? this->combine_problem(h, expert_out, returned) : local_problem;
     if (problem.empty() && !st) problem = "hierarchical combine: the handle carries no hierarchical stages";
     agree(comms.ep().comm(), problem, "hierarchical combine", this->config_.watchdog_seconds);
+    h.combine_started = true;
     int const d = static_cast<int>(h.expert_rows.extent(1));
     this->set_combine_format(h.ledger, d);
     h.ledger.combine.stages.clear();
     auto fin = uncanonical(exec, *st, h, expert_out);
     auto s2_in_back = reverse_scatter(exec, *st, fin, h.ledger, lap);
     auto s2_back = reverse_relay(exec, *st, s2_in_back, h.ledger, lap);
-    reverse_gather(exec, *st, fin, s2_back, returned, h.ledger);
+    h.pending = reverse_gather(exec, *st, fin, s2_back, h.ledger, &h.flight);
     h.ledger.combine.stages.back().seconds = lap();
     h.ledger.combine.useful_rows = h.plan.rows();
+    h.pending_returned = returned;
+    h.seconds = timer.seconds();
+  }
+
+  /// \brief Waits for the reverse of stage 1 and puts the rows into the
+  /// plan's send order in the return buffer.
+  template <class T>
+  void combine_finish(Exec const& exec, DispatchHandle<T, MS>& h) {
+    Kokkos::Timer timer;
+    KOKKOSMOE_REQUIRE(h.combine_started && !h.combined && h.pending.has_value(),
+                      "hierarchical combine_finish: the handle is not a combine in flight");
+    h.flight.finish();
+    auto const s1_back = std::any_cast<PayloadBuffer<MS>>(h.pending);
+    h.pending.reset();
+    State const& st = std::any_cast<State const&>(h.state);
+    auto perm1 = st.s1.send_perm;
+    scatter_rows(exec, s1_back, perm1, h.pending_returned, "KokkosMoE::HierarchicalExchange::unpermute1");
+    h.pending_returned = {};
+    Compat::fence(exec, "KokkosMoE::HierarchicalExchange::combine");
+    double const finish = timer.seconds();
+    h.seconds += finish;
+    h.ledger.combine.stages.back().seconds += finish;
     h.combined = true;
   }
 
@@ -226,7 +299,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
 
   /// Stage 3: relays scatter to the final ranks of their node.
   std::pair<PayloadBuffer<MS>, meta_view> relay_scatter(Exec const& exec, State& st, PayloadBuffer<MS> const& r2,
-                                                        meta_view const& r2_meta, ByteLedger& ledger) {
+                                                        meta_view const& r2_meta, ByteLedger& ledger, RowsInFlight* flight = nullptr) {
     auto const& comms = *this->comms_;
     auto const& node = comms.node_local();
     int const me = this->me_;
@@ -253,7 +326,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     st.s3.comm = 1;
     st.s3.input_rows = n2;
     auto [send, send_meta] = permuted(exec, r2, r2_meta, st.s3.send_perm, n2, "s3_send");
-    auto out = exchange_stage(exec, node, st.s3, send, send_meta, n2, "s3", "hierarchical dispatch stage 3");
+    auto out = exchange_stage(exec, node, st.s3, send, send_meta, n2, "s3", "hierarchical dispatch stage 3", flight);
     StageLedger sl{st.s3.name, node.name()};
     add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta));
     std::int64_t moved = 0;
@@ -381,8 +454,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   /// Reverse of stage 1: stage-1 arrival order rebuilt (transit rows from
   /// stage 2, kept rows from the final buffer), back to the origins, then
   /// into the plan's send order in the caller's return buffer.
-  void reverse_gather(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, PayloadBuffer<MS> const& s2_back,
-                      PayloadBuffer<MS> const& returned, ByteLedger& ledger) {
+  PayloadBuffer<MS> reverse_gather(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, PayloadBuffer<MS> const& s2_back,
+                                   ByteLedger& ledger, RowsInFlight* flight) {
     auto const& node = this->comms_->node_local();
     auto const& s1 = st.s1;
     index_t const kept = st.kept;
@@ -398,8 +471,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     }
     auto s1_back = payload_buffer(this->work_, exec, "s1_back", fin.type, fin.width, s1.input_rows);
     agree_counts(node, s1.recv_counts, r1, &s1.send_counts, "hierarchical combine stage 1 counts", this->options());
-    this->transport_->alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, s1_back.bytes}}, s1.recv_counts, s1.send_counts,
-                                "hierarchical combine stage 1 rows", this->options());
+    *flight = this->transport_->start_alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, s1_back.bytes}}, s1.recv_counts,
+                                                s1.send_counts, "hierarchical combine stage 1 rows", this->options());
     StageLedger sl{"return from relay + node-local direct", node.name()};
     add_sends(sl, s1.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0);
     ledger.combine.stages.push_back(sl);
@@ -411,8 +484,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       cl[i].relay_rows = dl[dl.size() - 1 - i].relay_rows;
       cl[i].relay_bytes = cl[i].relay_rows * fin.row_bytes();
     }
-    auto perm1 = s1.send_perm;
-    scatter_rows(exec, s1_back, perm1, returned, "KokkosMoE::HierarchicalExchange::unpermute1");
+    return s1_back;
   }
 
   /// Stable sort of a stage's rows by destination key; the record's send
@@ -444,13 +516,18 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   /// returns what arrived and records the receive counts.
   std::pair<PayloadBuffer<MS>, meta_view> exchange_stage(Exec const& exec, Topology::Communicator const& comm, StageRecord<MS>& stage,
                                                          PayloadBuffer<MS> const& send, meta_view const& send_meta, index_t count,
-                                                         std::string const& key, std::string const& what) {
+                                                         std::string const& key, std::string const& what,
+                                                         RowsInFlight* flight = nullptr) {
     stage.recv_counts = agree_counts(comm, stage.send_counts, count, nullptr, (what + " counts").c_str(), this->options()).recv;
     index_t const n = Impl::total(stage.recv_counts);
     auto recv = payload_buffer(this->work_, exec, key + "_recv", send.type, send.width, n);
     auto recv_meta = this->work_.template vector<RowMeta>(exec, key + "_recv_meta", n);
-    this->transport_->alltoallv(exec, comm, {RowSet<MS>{send.bytes, recv.bytes}, RowSet<MS>{as_rows(send_meta), as_rows(recv_meta)}},
-                                stage.send_counts, stage.recv_counts, (what + " rows").c_str(), this->options());
+    std::vector<RowSet<MS>> const sets{RowSet<MS>{send.bytes, recv.bytes}, RowSet<MS>{as_rows(send_meta), as_rows(recv_meta)}};
+    if (flight)
+      *flight = this->transport_->start_alltoallv(exec, comm, sets, stage.send_counts, stage.recv_counts, (what + " rows").c_str(),
+                                                  this->options());
+    else
+      this->transport_->alltoallv(exec, comm, sets, stage.send_counts, stage.recv_counts, (what + " rows").c_str(), this->options());
     return {recv, recv_meta};
   }
 

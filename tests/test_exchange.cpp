@@ -469,28 +469,37 @@ TEST_CASE("faults: count mismatch, stale handles and a skipped call fail every r
     CHECK_NOTHROW(combine_of(hier, retry));
   }
   SECTION("a dispatch still in flight: its rows are not combined, and it completes afterwards") {
+    auto in_flight = [&](auto& xchg) {
+      auto const [rp, plan] = plans_of(comms, placement, routes, rank, 0, nor[rank]);
+      auto h = xchg.dispatch_start(exec, rp, plan, hidden);
+      CHECK_FALSE(h.delivered);
+      // A combine (an expert's output returned) before dispatch_finish: every rank refuses.
+      CHECK_THROWS_WITH(combine_of(xchg, h), Catch::Matchers::Contains("whose dispatch has not finished"));
+      xchg.dispatch_finish(exec, h);
+      CHECK(h.delivered);
+      CHECK_THROWS_WITH(xchg.dispatch_finish(exec, h), Catch::Matchers::Contains("not a dispatch in flight"));
+      // Started and finished, the step returns every row as the blocking form does.
+      PayloadBuffer<MS> returned("returned", PayloadType::fp32, 4, h.plan.rows());
+      xchg.combine_start(exec, h, h.expert_rows, returned);
+      CHECK_FALSE(h.combined);
+      xchg.combine_finish(exec, h);
+      CHECK(h.combined);
+      auto blocking = prepare(xchg);
+      PayloadBuffer<MS> returned2("returned2", PayloadType::fp32, 4, blocking.plan.rows());
+      xchg.combine(exec, blocking, blocking.expert_rows, returned2);
+      auto a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), returned.bytes);
+      auto b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), returned2.bytes);
+      REQUIRE(a.size() == b.size());
+      CHECK(std::equal(a.data(), a.data() + a.size(), b.data()));
+      // The identity experts sent every row back as it left.
+      auto hid = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), hidden);
+      auto const* f = reinterpret_cast<float const*>(a.data());
+      for (std::size_t i = 0; i < a.size() / sizeof(float); ++i) CHECK(f[i] == hid.data()[0]);
+    };
     FlatExchange<> flat(comms, placement, fp32);
-    auto const [rp, plan] = plans_of(comms, placement, routes, rank, 0, nor[rank]);
-    auto h = flat.dispatch_start(exec, rp, plan, hidden);
-    CHECK_FALSE(h.delivered);
-    // A combine (an expert's output returned) before dispatch_finish: every rank refuses.
-    CHECK_THROWS_WITH(combine_of(flat, h), Catch::Matchers::Contains("whose dispatch has not finished"));
-    flat.dispatch_finish(exec, h);
-    CHECK(h.delivered);
-    CHECK_THROWS_WITH(flat.dispatch_finish(exec, h), Catch::Matchers::Contains("not a dispatch in flight"));
-    // Started and finished, the step returns every row as the blocking form does.
-    PayloadBuffer<MS> returned("returned", PayloadType::fp32, 4, h.plan.rows());
-    flat.combine_start(exec, h, h.expert_rows, returned);
-    CHECK_FALSE(h.combined);
-    flat.combine_finish(exec, h);
-    CHECK(h.combined);
-    auto blocking = prepare(flat);
-    PayloadBuffer<MS> returned2("returned2", PayloadType::fp32, 4, blocking.plan.rows());
-    flat.combine(exec, blocking, blocking.expert_rows, returned2);
-    auto a = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), returned.bytes);
-    auto b = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), returned2.bytes);
-    REQUIRE(a.size() == b.size());
-    CHECK(std::equal(a.data(), a.data() + a.size(), b.data()));
+    in_flight(flat);
+    HierarchicalExchange<> hier(comms, placement, fp32);
+    in_flight(hier);
   }
   SECTION("a handle of another algorithm") {
     FlatExchange<> flat(comms, placement, fp32);
