@@ -20,11 +20,14 @@
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <thread>
 
 namespace kmoe_app {
 
@@ -60,6 +63,17 @@ int run(int argc, char* argv[], char const* name, Body&& body) {
     } catch (KokkosMoE::CollectiveError const& e) {
       std::fprintf(stderr, "%s (rank %d): %s\n", name, rank, e.what());
       rc = 1;
+    } catch (KokkosMoE::WatchdogError const& e) {
+      // A peer did not answer. The other surviving ranks wait in the same
+      // call; their watchdogs expire about as long after they entered it.
+      // Give them that moment to report before ending the job.
+      double const grace = std::min(10.0, std::max(2.0, e.limit()));
+      std::fprintf(stderr, "%s (rank %d): %s\n%s (rank %d): aborting the job in %.0f s (a peer did not answer)\n", name, rank,
+                   e.what(), name, rank, grace);
+      std::fflush(stderr);
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::duration<double>(grace));
+      MPI_Abort(MPI_COMM_WORLD, 1);
     } catch (std::exception const& e) {
       std::fprintf(stderr, "%s (rank %d): %s\n%s (rank %d): aborting the job (an error of this rank alone)\n", name, rank, e.what(),
                    name, rank);

@@ -75,6 +75,15 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
   void alltoallv(Kokkos::Cuda const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                  std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
                  TransportOptions const& options) override {
+    start_alltoallv(exec, comm, sets, send_counts, recv_counts, what, options).finish();
+  }
+
+  /// Enqueues the transfers on exec's stream and returns; finish() polls the
+  /// stream under the watchdog (the rows are written when it returns, and
+  /// later work on the same stream is ordered after them anyway).
+  RowsInFlight start_alltoallv(Kokkos::Cuda const& exec, Topology::Communicator const& comm,
+                               std::vector<RowSet<MemorySpace>> const& sets, std::vector<index_t> const& send_counts,
+                               std::vector<index_t> const& recv_counts, char const* what, TransportOptions const& options) override {
     int const P = comm.size();
     int const me = comm.my_slot();
     KOKKOSMOE_REQUIRE(static_cast<int>(send_counts.size()) == P && static_cast<int>(recv_counts.size()) == P,
@@ -104,7 +113,16 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
       }
     }
     KOKKOSMOE_NCCL_CHECK(ncclGroupEnd());
-    wait(exec, nc, comm, send_counts, recv_counts, what, options);
+    Topology::Communicator const* c = &comm;
+    std::string const label = what;
+    return RowsInFlight({}, [this, exec, c, sets, send_counts, recv_counts, label, options] {
+      // The communicator may have been aborted meanwhile (the watchdog
+      // expired on another transfer over it).
+      auto it = comms_.find(c->comm());
+      KOKKOSMOE_REQUIRE(it != comms_.end() && it->second,
+                        label << ": the NCCL communicator of " << c->name() << " was aborted while these rows were in flight");
+      wait(exec, *it->second, *c, send_counts, recv_counts, label.c_str(), options);
+    });
   }
 
  private:
@@ -136,8 +154,9 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
             peers << (peers.tellp() > 0 ? ", " : "") << "slot " << p << " (rank " << comm.global_rank(p) << ")";
         nc.abort();
         comms_.erase(comm.comm());
-        KOKKOSMOE_THROW(what << ": NCCL transfers on " << comm.name() << " did not complete within " << waited
-                             << " s; peers with outstanding rows: [" << peers.str() << "]");
+        KOKKOSMOE_THROW_WATCHDOG(what << ": NCCL transfers on " << comm.name() << " did not complete within " << waited
+                                      << " s; peers with outstanding rows: [" << peers.str() << "]",
+                                 options.watchdog_seconds);
       }
     }
   }

@@ -101,10 +101,11 @@ void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending,
       };
       int world = -1;
       MPI_Comm_rank(MPI_COMM_WORLD, &world);
-      KOKKOSMOE_THROW(what << ": rank " << world << " (slot " << comm.my_slot() << " of " << comm.name() << ") waited "
-                           << dog.waited() << " s; still waiting to receive from [" << list(recv_from) << "]"
-                           << (send_to.empty() ? std::string() : " and to send to [" + list(send_to) + "]")
-                           << " - did those ranks skip this call?");
+      KOKKOSMOE_THROW_WATCHDOG(what << ": rank " << world << " (slot " << comm.my_slot() << " of " << comm.name() << ") waited "
+                                    << dog.waited() << " s; still waiting to receive from [" << list(recv_from) << "]"
+                                    << (send_to.empty() ? std::string() : " and to send to [" + list(send_to) + "]")
+                                    << " - did those ranks skip this call?",
+                               dog.limit());
     }
   }
   pending.clear();

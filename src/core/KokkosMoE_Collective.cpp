@@ -173,12 +173,13 @@ void wait_watched(MPI_Request& request, MPI_Comm comm, char const* what, double 
       for (std::size_t i = 0; i < missing.size() && i < 32; ++i)
         who << (i ? ", " : "") << missing[i] << (world_ranks[i] != missing[i] ? " (world rank " + std::to_string(world_ranks[i]) + ")" : "");
       if (missing.size() > 32) who << ", ... (" << missing.size() << " ranks)";
-      KOKKOSMOE_THROW(what << ": rank " << world << " (rank " << comm_rank(comm) << " of " << comm_name(comm) << ") waited "
+      KOKKOSMOE_THROW_WATCHDOG(what << ": rank " << world << " (rank " << comm_rank(comm) << " of " << comm_name(comm) << ") waited "
                            << dog.waited() << " s for all " << comm_size(comm) << " ranks of " << comm_name(comm) << "; "
                            << (missing.empty() ? std::string("every rank answered a census after it, so one of them is stuck in another call")
                                                : "no answer from rank" + std::string(missing.size() > 1 ? "s [" : " [") + who.str() + "] of " +
                                                      comm_name(comm) + " within " + std::to_string(static_cast<int>(grace)) +
-                                                     " s (stopped, killed, or stuck elsewhere): at least one of them did not enter this call"));
+                                                     " s (stopped, killed, or stuck elsewhere): at least one of them did not enter this call"),
+                               dog.limit());
     }
   }
 }

@@ -58,6 +58,7 @@ class Watchdog {
   bool expired();
   /// \brief Seconds counted so far.
   double waited() const { return waited_; }
+  double limit() const { return limit_; }
 
  private:
   double limit_;

@@ -5,7 +5,8 @@
 namespace KokkosMoE {
 namespace Impl {
 
-void throw_error(char const* file, int line, std::string const& message) {
+namespace {
+std::string located(char const* file, int line, std::string const& message) {
   // Keep only the path below the project folders so messages stay short.
   char const* short_file = file;
   for (char const* dir : {"/src/", "/topology/", "/exchange/", "/experts/", "/apps/"}) {
@@ -16,7 +17,14 @@ void throw_error(char const* file, int line, std::string const& message) {
   }
   std::ostringstream os;
   os << "KokkosMoE error: " << message << " [" << short_file << ":" << line << "]";
-  throw Error(os.str());
+  return os.str();
+}
+}  // namespace
+
+void throw_error(char const* file, int line, std::string const& message) { throw Error(located(file, line, message)); }
+
+void throw_watchdog(char const* file, int line, std::string const& message, double limit) {
+  throw WatchdogError(located(file, line, message), limit);
 }
 
 }  // namespace Impl

@@ -17,8 +17,23 @@ class Error : public std::runtime_error {
   explicit Error(std::string const& message) : std::runtime_error(message) {}
 };
 
+/// \brief A wait that a watchdog ended: a peer did not answer within
+/// `limit` seconds (stopped, killed, or stuck in another call). Every
+/// surviving peer's own watchdog ends its wait about as long after it
+/// entered, so an application that aborts on this error gives them a moment
+/// to report first (see apps/kmoe_app.hpp).
+class WatchdogError : public Error {
+ public:
+  WatchdogError(std::string const& message, double limit) : Error(message), limit_(limit) {}
+  double limit() const { return limit_; }
+
+ private:
+  double limit_;
+};
+
 namespace Impl {
 [[noreturn]] void throw_error(char const* file, int line, std::string const& message);
+[[noreturn]] void throw_watchdog(char const* file, int line, std::string const& message, double limit);
 }  // namespace Impl
 
 }  // namespace KokkosMoE
@@ -37,5 +52,13 @@ namespace Impl {
 
 /// \brief Throws KokkosMoE::Error with a message built from a stream expression.
 #define KOKKOSMOE_THROW(msg) KOKKOSMOE_REQUIRE(false, msg)
+
+/// \brief Throws KokkosMoE::WatchdogError (a wait of `limit` seconds expired).
+#define KOKKOSMOE_THROW_WATCHDOG(msg, limit)                                                        \
+  do {                                                                                              \
+    std::ostringstream kokkosmoe_watchdog_os_;                                                      \
+    kokkosmoe_watchdog_os_ << msg;                                                                  \
+    ::KokkosMoE::Impl::throw_watchdog(__FILE__, __LINE__, kokkosmoe_watchdog_os_.str(), (limit));   \
+  } while (0)
 
 #endif
