@@ -73,6 +73,8 @@ TEST_CASE("Load JSON: formats and errors", "[placement][io]") {
   CHECK(load_matrix_from_json(R"({"provenance": {"phase": "decode"}, "load": [1, 2]})", "x") == Matrix{{1, 2}});
 
   CHECK(error_of_json("{\"load\": [1, 2,") .find("malformed load file 'x.json'") != std::string::npos);
+  // A number beyond double's range is a malformed file, not an escaped parser exception.
+  CHECK(error_of_json(R"({"load": [1, 6e6666]})").find("malformed load file 'x.json'") != std::string::npos);
   CHECK(error_of_json("[1, 2]").find("expected a JSON object with \"layers\" or \"load\", got array") != std::string::npos);
   CHECK(error_of_json(R"({"loads": [1]})").find("no \"layers\" or \"load\" key") != std::string::npos);
   CHECK(error_of_json(R"({"load": [1], "extra": 2})").find("unknown key \"extra\"") != std::string::npos);

@@ -43,7 +43,8 @@ json parse_json(std::string const& text, std::string const& origin, char const* 
   json j;
   try {
     j = json::parse(text, check);
-  } catch (json::parse_error const& e) {
+  } catch (json::exception const& e) {
+    // Syntax errors, and numbers out of range (e.g. 1e999) as well.
     KOKKOSMOE_THROW("malformed " << what << " '" << origin << "': " << e.what());
   }
   KOKKOSMOE_REQUIRE(duplicate.empty(), "malformed " << what << " '" << origin << "': key \"" << duplicate
