@@ -107,7 +107,10 @@ class ExchangeModel final : public AnyExchange<T, Exec, MS> {
     if constexpr (starts) {
       return x_.dispatch_start(exec, routes, plan, hidden, wave);
     } else {
-      return x_.dispatch(exec, routes, plan, hidden, wave);
+      Kokkos::Timer timer;
+      auto h = x_.dispatch(exec, routes, plan, hidden, wave);
+      h.seconds = timer.seconds();
+      return h;
     }
   }
   void dispatch_finish(Exec const& exec, DispatchHandle<T, MS>& handle) override {
@@ -123,7 +126,9 @@ class ExchangeModel final : public AnyExchange<T, Exec, MS> {
     if constexpr (starts) {
       x_.combine_start(exec, handle, expert_out, returned, local_problem);
     } else {
+      Kokkos::Timer timer;
       x_.combine(exec, handle, expert_out, returned, local_problem);
+      handle.seconds = timer.seconds();
     }
   }
   void combine_finish(Exec const& exec, DispatchHandle<T, MS>& handle) override {
