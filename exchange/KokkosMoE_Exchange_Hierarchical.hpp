@@ -326,7 +326,9 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     st.s3.comm = 1;
     st.s3.input_rows = n2;
     auto [send, send_meta] = permuted(exec, r2, r2_meta, st.s3.send_perm, n2, "s3_send");
-    auto out = exchange_stage(exec, node, st.s3, send, send_meta, n2, "s3", "hierarchical dispatch stage 3", flight);
+    // Arrivals land after room for the rows kept from stage 1, so the final
+    // buffer is the receive buffer (restore_flat_order fills the front).
+    auto out = exchange_stage(exec, node, st.s3, send, send_meta, n2, "s3", "hierarchical dispatch stage 3", flight, st.kept);
     StageLedger sl{st.s3.name, node.name()};
     add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta));
     std::int64_t moved = 0;
@@ -339,7 +341,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   }
 
   /// Final rows: stage-1 rows kept here (stage 2's last bucket, in its send
-  /// order), then stage-3 arrivals. The flat arrival order is a stable sort
+  /// order, gathered into the front of the stage-3 receive buffer), then
+  /// stage-3 arrivals (already in place). The flat arrival order is a stable sort
   /// on the origin's EP peer slot; the arrival metadata, the repack and the
   /// expert rows (gathered from the final buffer through both permutations,
   /// in one pass) follow from it.
@@ -349,11 +352,10 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto const& comms = *this->comms_;
     index_t const kept = st.kept;
     index_t const transit_out = r1.rows() - kept;
-    index_t const n3 = r3.rows();
-    index_t const nf = kept + n3;
+    index_t const nf = r3.rows();  // the rows kept from stage 1 (front), then the stage-3 arrivals
     int const d = r1.width;
-    auto fin = payload_buffer(this->work_, exec, "final", this->config_.payload, d, nf);
-    auto fin_meta = this->work_.template vector<RowMeta>(exec, "final_meta", nf);
+    PayloadBuffer<MS> const& fin = r3;
+    meta_view const& fin_meta = r3_meta;
     {
       auto perm2 = st.s2.send_perm;
       auto from_kept = KOKKOS_LAMBDA(index_t p)->index_t { return perm2(transit_out + p); };
@@ -361,8 +363,6 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       gather_rows(exec, r1, from_kept, kept_rows, "KokkosMoE::HierarchicalExchange::final_kept");
       gather_records(exec, r1_meta, from_kept, Kokkos::subview(fin_meta, std::pair<index_t, index_t>(0, kept)),
                      "KokkosMoE::HierarchicalExchange::final_kept_meta");
-      copy_row_range(exec, fin.bytes, kept, r3.bytes, 0, n3);
-      copy_row_range(exec, as_rows(fin_meta), kept, as_rows(r3_meta), 0, n3);
     }
     auto ep_slot = ep_slot_;
     int const P = comms.ep().size();
@@ -513,16 +513,19 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
 
   /// One dispatch stage's transport: the rows and metadata in the stage's
   /// send order go to their peers of comm after the counts are agreed;
-  /// returns what arrived and records the receive counts.
+  /// returns what arrived (after `front` rows left for the caller) and
+  /// records the receive counts.
   std::pair<PayloadBuffer<MS>, meta_view> exchange_stage(Exec const& exec, Topology::Communicator const& comm, StageRecord<MS>& stage,
                                                          PayloadBuffer<MS> const& send, meta_view const& send_meta, index_t count,
                                                          std::string const& key, std::string const& what,
-                                                         RowsInFlight* flight = nullptr) {
+                                                         RowsInFlight* flight = nullptr, index_t front = 0) {
     stage.recv_counts = agree_counts(comm, stage.send_counts, count, nullptr, (what + " counts").c_str(), this->options()).recv;
     index_t const n = Impl::total(stage.recv_counts);
-    auto recv = payload_buffer(this->work_, exec, key + "_recv", send.type, send.width, n);
-    auto recv_meta = this->work_.template vector<RowMeta>(exec, key + "_recv_meta", n);
-    std::vector<RowSet<MS>> const sets{RowSet<MS>{send.bytes, recv.bytes}, RowSet<MS>{as_rows(send_meta), as_rows(recv_meta)}};
+    auto recv = payload_buffer(this->work_, exec, key + "_recv", send.type, send.width, front + n);
+    auto recv_meta = this->work_.template vector<RowMeta>(exec, key + "_recv_meta", front + n);
+    auto const arrivals = suffix(recv, front);
+    meta_view const arrivals_meta = Kokkos::subview(recv_meta, std::pair<index_t, index_t>(front, front + n));
+    std::vector<RowSet<MS>> const sets{RowSet<MS>{send.bytes, arrivals.bytes}, RowSet<MS>{as_rows(send_meta), as_rows(arrivals_meta)}};
     if (flight)
       *flight = this->transport_->start_alltoallv(exec, comm, sets, stage.send_counts, stage.recv_counts, (what + " rows").c_str(),
                                                   this->options());
