@@ -113,3 +113,16 @@ TEST_CASE("shipped decks parse, and the resolved echo parses to the same setting
     CHECK(again.router.route_scale == d.router.route_scale);
   }
 }
+
+TEST_CASE("strings with backslashes, quotes and control characters echo as TOML that reads back the same", "[deck]") {
+  // Found by the deck fuzzer: the echo wrote strings unescaped, so a
+  // backslash read back as half as many (and a quote ended the string).
+  std::string const text = "[run]\nreport = \"a\\\\b\\\"c\\td\\u0001e\"\nhdf5 = 'C:\\x\\y'\n";
+  auto const d = parse_layer_deck("s.toml", text, 1);
+  CHECK(d.run.report == std::string("a\\b\"c\td\x01") + "e");
+  CHECK(d.run.hdf5 == "C:\\x\\y");
+  auto const again = parse_layer_deck("s.toml (resolved)", d.resolved(), 1);
+  CHECK(again.run.report == d.run.report);
+  CHECK(again.run.hdf5 == d.run.hdf5);
+  CHECK(again.resolved().substr(again.resolved().find('\n')) == d.resolved().substr(d.resolved().find('\n')));
+}

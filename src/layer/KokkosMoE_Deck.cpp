@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -52,7 +53,33 @@ std::string toml_list_of(std::vector<T> const& v) {
   return os.str();
 }
 
-std::string quoted(std::string const& s) { return "\"" + s + "\""; }
+/// A TOML basic string that reads back as s: backslash, quote and control
+/// characters escaped.
+std::string quoted(std::string const& s) {
+  std::ostringstream os;
+  os << '"';
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': os << "\\\""; break;
+      case '\\': os << "\\\\"; break;
+      case '\b': os << "\\b"; break;
+      case '\t': os << "\\t"; break;
+      case '\n': os << "\\n"; break;
+      case '\f': os << "\\f"; break;
+      case '\r': os << "\\r"; break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04X", static_cast<unsigned>(c));
+          os << buf;
+        } else {
+          os << static_cast<char>(c);
+        }
+    }
+  }
+  os << '"';
+  return os.str();
+}
 
 template <class E>
 std::vector<std::string> names_of_values(std::vector<E> const& v) {
