@@ -450,9 +450,17 @@ int main(int argc, char* argv[]) {
     app.add_option("--hdf5", opt.hdf5, "HDF5 time series path (overrides [run] hdf5)");
     app.add_option("--algorithm", opt.algorithm, "exchange algorithm (overrides [exchange] algorithm)")
         ->check(CLI::IsMember(enum_names<Exchange::Algorithm>()));
+    std::string transport;
+    app.add_option("--transport", transport, "how rows move (overrides [exchange] transport)")
+        ->check(CLI::IsMember(enum_names<Exchange::TransportKind>()));
     app.add_flag("--print-output", opt.print_output, "print every rank's output rows after the last step");
     if (int const rc = kmoe_app::parse(app, argc, argv, rank); rc >= 0) return rc;
-    auto const deck = read_layer_deck(MPI_COMM_WORLD, opt.deck);
+    auto deck = read_layer_deck(MPI_COMM_WORLD, opt.deck);
+    if (!transport.empty()) {
+      deck.exchange.transport = from_string<Exchange::TransportKind>(transport);
+      KOKKOSMOE_REQUIRE(Exchange::transport_available(deck.exchange.transport),
+                        "--transport " << transport << ": " << Exchange::transport_unavailable_reason(deck.exchange.transport));
+    }
     if (rank == 0) {
       std::cout << build_summary() << "\n";
       print_kokkos_configuration(std::cout);

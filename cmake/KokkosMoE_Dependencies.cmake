@@ -93,6 +93,25 @@ if(NOT KokkosMoE_ENABLE_NCCL STREQUAL "OFF")
 endif()
 add_feature_info(NCCL KokkosMoE_HAVE_NCCL "NCCL transport (grouped ncclSend/ncclRecv on the execution space's stream)")
 
+# --- cuBLAS (CUDA builds: the grouped runner's tensor-core path) ------------
+# cublasGemmGroupedBatchedEx needs CUDA >= 12.5; older toolkits keep the
+# portable kernel only.
+set(KokkosMoE_HAVE_CUBLAS OFF)
+if(KokkosMoE_KOKKOS_HAS_CUDA AND NOT KokkosMoE_ENABLE_CUBLAS STREQUAL "OFF")
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND AND TARGET CUDA::cublas AND CUDAToolkit_VERSION VERSION_GREATER_EQUAL 12.5)
+    set(KokkosMoE_HAVE_CUBLAS ON)
+    if(NOT TARGET KokkosMoEDeps::cuBLAS)
+      add_library(KokkosMoEDeps::cuBLAS INTERFACE IMPORTED)
+      set_target_properties(KokkosMoEDeps::cuBLAS PROPERTIES INTERFACE_LINK_LIBRARIES CUDA::cublas)
+    endif()
+  elseif(KokkosMoE_ENABLE_CUBLAS STREQUAL "ON")
+    message(FATAL_ERROR "KokkosMoE: KokkosMoE_ENABLE_CUBLAS=ON needs cuBLAS from a CUDA toolkit >= 12.5 "
+                        "(found: ${CUDAToolkit_FOUND}, version ${CUDAToolkit_VERSION})")
+  endif()
+endif()
+add_feature_info(cuBLAS KokkosMoE_HAVE_CUBLAS "grouped expert GEMM on tensor cores (cublasGemmGroupedBatchedEx)")
+
 # --- CUDA-aware MPI (AUTO: ask the MPI at run time where it can tell) --------
 if(NOT DEFINED KokkosMoE_CUDA_AWARE_MPI)
   set(KokkosMoE_CUDA_AWARE_MPI AUTO)

@@ -2,7 +2,7 @@
 #
 # One library per floor of the architecture. DIRS are the folders whose
 # headers the library owns (default: the current source folder); each is a
-# public include directory, and its headers (and impl/ headers) are installed
+# public include directory, and its headers (and impl/ and tpls/ headers) are installed
 # under include/KokkosMoE/, which is also the installed include path.
 # KOKKOSMOE_LIBRARY_DIRS_<name> records the folders for the layering check.
 
@@ -20,9 +20,13 @@ function(kokkosmoe_add_library name)
     target_include_directories(${name} PUBLIC $<BUILD_INTERFACE:${_dir}>)
     file(GLOB _headers ${_dir}/*.hpp)
     file(GLOB _impl_headers ${_dir}/impl/*.hpp)
+    file(GLOB _tpls_headers ${_dir}/tpls/*.hpp)
     install(FILES ${_headers} DESTINATION ${KOKKOSMOE_INSTALL_INCLUDEDIR})
     if(_impl_headers)
       install(FILES ${_impl_headers} DESTINATION ${KOKKOSMOE_INSTALL_INCLUDEDIR}/impl)
+    endif()
+    if(_tpls_headers)
+      install(FILES ${_tpls_headers} DESTINATION ${KOKKOSMOE_INSTALL_INCLUDEDIR}/tpls)
     endif()
   endforeach()
   target_include_directories(${name} PUBLIC

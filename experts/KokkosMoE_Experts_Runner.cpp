@@ -27,6 +27,9 @@ void validate_options(RunnerOptions const& o) {
   KOKKOSMOE_REQUIRE(o.alignment >= 1, "Experts: padded alignment " << o.alignment << " must be >= 1");
   KOKKOSMOE_REQUIRE(o.block_size >= 1, "Experts: block size " << o.block_size << " must be >= 1");
   KOKKOSMOE_REQUIRE(o.host_column_groups >= 0, "Experts: host_column_groups " << o.host_column_groups << " must be >= 0");
+  KOKKOSMOE_REQUIRE(o.decode_rows >= -1 && o.decode_rows <= host_decode_max_rows,
+                    "Experts: decode_rows " << o.decode_rows << " must be in [-1, " << host_decode_max_rows
+                                            << "] (-1: the default, 0: never)");
 }
 
 namespace {

@@ -19,9 +19,13 @@
 ///   segment x row tile x column range, team scratch; SiLU and the product
 ///   fused into the first phase). On host execution spaces it uses
 ///   register-blocked micro-kernels for the CPU's ISA (AVX-512, AVX2 or the
-///   baseline, chosen at run time); elsewhere the portable team/vector kernel
-///   (GroupedKernel selects either explicitly). Empty segments cost nothing;
-///   a 1-row segment costs one tile.
+///   baseline, chosen at run time); elsewhere the portable team kernel
+///   (register-tiled, float or bf16 rows and weights). Where a vendor grouped
+///   GEMM applies (cuBLAS cublasGemmGroupedBatchedEx on CUDA, tensor cores
+///   for bf16; tpls/KokkosMoE_Experts_Grouped_cuBLAS.hpp) it is the default:
+///   two grouped calls and a SwiGLU kernel, H rounded to the weights' type.
+///   GroupedKernel forces one mapping. Empty segments cost nothing; a 1-row
+///   segment costs one tile.
 /// - blas: per non-empty segment, KokkosMoE::gemm (Kokkos Kernels: BLAS on
 ///   CPU, cuBLAS on CUDA, when available and operands are float; the portable
 ///   GEMM otherwise) for gate and up, a fused SiLU * up kernel, then gemm for
@@ -56,6 +60,7 @@
 #include <KokkosMoE_Workspace.hpp>
 #include <impl/KokkosMoE_Experts_Grouped.hpp>
 #include <impl/KokkosMoE_Experts_HostKernels.hpp>
+#include <tpls/KokkosMoE_Experts_Grouped_cuBLAS.hpp>
 #include <KokkosMoE_Gemm.hpp>
 
 #include <cstdint>
@@ -84,15 +89,17 @@ inline EnumTable<RunnerKind> const& names_of(RunnerKind) {
 
 /// \brief Which grouped kernel mapping runs (grouped and block runners).
 enum class GroupedKernel : int {
-  automatic = 0,  ///< host_simd on host execution spaces, portable elsewhere
+  automatic = 0,  ///< vendor where available, else host_simd on host execution spaces, portable elsewhere
   host_simd = 1,  ///< host micro-kernels (host execution spaces only)
   portable = 2,   ///< the team/vector kernel used on GPUs (any space)
+  vendor = 3,     ///< vendor grouped GEMM (cuBLAS on CUDA); an error where unavailable
 };
 inline EnumTable<GroupedKernel> const& names_of(GroupedKernel) {
   static EnumTable<GroupedKernel> const t{"grouped kernel",
                                           {{GroupedKernel::automatic, "auto"},
                                            {GroupedKernel::host_simd, "host_simd"},
-                                           {GroupedKernel::portable, "portable"}}};
+                                           {GroupedKernel::portable, "portable"},
+                                           {GroupedKernel::vendor, "vendor"}}};
   return t;
 }
 
@@ -106,7 +113,17 @@ struct RunnerOptions {
   GroupedKernel grouped_kernel = GroupedKernel::automatic;  ///< grouped and block
   std::string host_isa = "auto";  ///< host_simd: "auto", "avx512", "avx2", "generic"
   int host_column_groups = 0;     ///< host_simd: column ranges per row tile (0: from the concurrency)
+  /// host_simd: row tiles of at most this many rows (a segment of few rows,
+  /// or a segment's last rows) run through the decode kernel, which reads
+  /// each weight block once for all of them; the results are the same bits
+  /// either way. -1: default_decode_rows; 0: never; at most
+  /// Impl::host_decode_max_rows.
+  int decode_rows = -1;
 };
+
+/// \brief Rows up to which the decode kernel is faster than the tiled one
+/// (measured with kmoe-bench experts on AVX-512 and AVX2 hosts).
+constexpr int default_decode_rows = 8;
 
 /// \brief What one run executed. Row counts are rows of the runner's batch;
 /// FLOPs are analytical matmul FLOPs (6 * rows * d * d_ff).
@@ -125,6 +142,7 @@ struct RunLedger {
   index_t useful_flops = 0;       ///< 6 * useful_rows * d * d_ff
   index_t descriptor_bytes = 0;   ///< offsets + tile tables + row maps the runner built
   index_t kernel_launches = 0;    ///< parallel kernels and GEMM calls issued
+  index_t decode_rows = 0;        ///< rows that went through the decode kernel (grouped on hosts)
 };
 
 /// \brief The ledger a run with these options would produce for segment
@@ -152,16 +170,20 @@ template <class T, class MemorySpace>
 using Unmanaged2D = Kokkos::View<T**, Kokkos::LayoutRight, MemorySpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
 /// Copy-converts src into dst elementwise on exec.
+/// Both views hold contiguous row-major rows of the same shape, so the copy
+/// is one flat loop (vectorized on hosts, coalesced on devices).
 template <class ExecutionSpace, class Src, class Dst>
 void convert_matrix(ExecutionSpace const& exec, Src const& src, Dst const& dst, char const* label) {
   using out_t = typename Dst::non_const_value_type;
-  std::size_t const cols = src.extent(1);
-  std::size_t const total = src.extent(0) * cols;
+  std::size_t const total = src.extent(0) * src.extent(1);
+  KOKKOSMOE_REQUIRE(src.span_is_contiguous() && dst.span_is_contiguous() && dst.extent(0) * dst.extent(1) == total,
+                    "Experts: convert_matrix needs contiguous views of one shape (" << src.extent(0) << "x" << src.extent(1)
+                                                                                    << " into " << dst.extent(0) << "x"
+                                                                                    << dst.extent(1) << ")");
+  auto const* in = src.data();
+  out_t* out = dst.data();
   Kokkos::parallel_for(label, Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, total),
-                       KOKKOS_LAMBDA(std::size_t idx) {
-                         std::size_t const r = idx / cols, c = idx - r * cols;
-                         dst(r, c) = from_float<out_t>(to_float(src(r, c)));
-                       });
+                       KOKKOS_LAMBDA(std::size_t i) { out[i] = from_float<out_t>(to_float(in[i])); });
 }
 
 /// Scalar test experts: Y(r, :) = scale(q) * X(r, :) for r in segment q.
@@ -280,6 +302,14 @@ class Runner {
     }
     if (kind == RunnerKind::grouped || kind == RunnerKind::block) {
       if (use_host_simd()) (void)Impl::host_kernel_table(options_.host_isa);  // throws for an unavailable ISA
+      using vendor = Impl::GroupedVendor<ExecutionSpace, WT, xt, yt>;
+      KOKKOSMOE_REQUIRE(vendor::available || options_.grouped_kernel != GroupedKernel::vendor,
+                        "Experts::Runner: grouped kernel 'vendor' is not available for "
+                            << ExecutionSpace::name() << " with " << (std::is_same<WT, float>::value ? "fp32" : "bf16")
+                            << " weights, " << (std::is_same<xt, float>::value ? "fp32" : "bf16") << " rows in and "
+                            << (std::is_same<yt, float>::value ? "fp32" : "bf16")
+                            << " rows out in this build (cuBLAS grouped GEMM on CUDA, KokkosMoE_ENABLE_CUBLAS, with rows "
+                               "in the weights' type)");
     }
     std::vector<index_t> counts(static_cast<std::size_t>(L));
     for (int q = 0; q < L; ++q) counts[static_cast<std::size_t>(q)] = offs[static_cast<std::size_t>(q + 1)] - offs[static_cast<std::size_t>(q)];
@@ -328,7 +358,7 @@ class Runner {
   }
 
   bool use_host_simd() const {
-    if (options_.grouped_kernel == GroupedKernel::portable) return false;
+    if (options_.grouped_kernel == GroupedKernel::portable || options_.grouped_kernel == GroupedKernel::vendor) return false;
     KOKKOSMOE_REQUIRE(options_.grouped_kernel != GroupedKernel::host_simd || Impl::is_host_exec<ExecutionSpace>(),
                       "Experts::Runner: grouped kernel 'host_simd' needs a host execution space (got "
                           << ExecutionSpace::name() << ")");
@@ -339,6 +369,18 @@ class Runner {
   template <class WT, class XV, class YV>
   void run_grouped(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, XV const& X,
                    std::vector<index_t> const& offs, YV const& Y, RunLedger& ledger) {
+    using xt = typename XV::non_const_value_type;
+    using yt = typename YV::non_const_value_type;
+    using vendor = Impl::GroupedVendor<ExecutionSpace, WT, xt, yt>;
+    GroupedKernel const choice = options_.grouped_kernel;
+    if constexpr (vendor::available) {
+      if (choice == GroupedKernel::automatic || choice == GroupedKernel::vendor) {
+        Compat::ScopedRegion region(std::string("KokkosMoE::Experts::Runner::grouped[") + vendor::name + "]");
+        ledger.kernel_launches += vendor::run(exec, w.gate(), w.up(), w.down(), X, offs, Y, ws_);
+        ledger.path = std::string("grouped[") + vendor::name + "]";
+        return;
+      }
+    }
     int const d = w.d(), dff = w.d_ff();
     index_t const n = offs.back();
     auto H = ws_.template matrix<float>(exec, "h", n, dff);
@@ -365,6 +407,11 @@ class Runner {
         p1.K = d;
         p1.N = dff;
         p1.groups = Compat::max(1, Compat::min(groups, (dff + 1) / 2));
+        int const decode = options_.decode_rows < 0 ? default_decode_rows : options_.decode_rows;
+        p1.decode_rows = decode;
+        index_t decoded = 0;
+        for (Impl::Tile const& t : tiles) decoded += t.rows <= decode ? t.rows : 0;
+        ledger.decode_rows += decoded;
         launch_host(exec, p1, tiles.size(), "KokkosMoE::Experts::Runner::grouped[phase1]");
         Impl::HostGroupedPhase<ExecutionSpace, decltype(H), weights_view, YV, 2> p2;
         p2.in = H;
@@ -375,10 +422,11 @@ class Runner {
         p2.K = dff;
         p2.N = d;
         p2.groups = Compat::max(1, Compat::min(groups, d));
+        p2.decode_rows = decode;
         launch_host(exec, p2, tiles.size(), "KokkosMoE::Experts::Runner::grouped[phase2]");
         ledger.kernel_launches += 2;
         ledger.descriptor_bytes += static_cast<index_t>(tiles.size() * sizeof(Impl::Tile));
-        ledger.path = std::string("grouped[host:") + table.isa + "]";
+        ledger.path = std::string("grouped[host:") + table.isa + (decoded == n ? ",decode" : decoded > 0 ? ",tiled+decode" : "") + "]";
         return;
       }
     }
@@ -433,9 +481,7 @@ class Runner {
   static void launch_portable(ExecutionSpace const& exec, Phase const& p, std::size_t tiles, char const* label) {
     if (tiles == 0) return;
     int const league = static_cast<int>(tiles) * p.col_tiles;
-    int const team = Impl::is_host_exec<ExecutionSpace>() ? 1 : Phase::TT;
-    int const vec = Impl::is_host_exec<ExecutionSpace>() ? 1 : Phase::NT;
-    typename Phase::policy_type policy(exec, league, team, vec);
+    typename Phase::policy_type policy(exec, league, Phase::team_size(), 1);
     Kokkos::parallel_for(label, policy.set_scratch_size(0, Kokkos::PerTeam(Phase::scratch_bytes())), p);
   }
 
@@ -506,7 +552,8 @@ class Runner {
       Impl::convert_matrix(exec, Yf, Y, "KokkosMoE::Experts::Runner::blas[convert Y]");
       ledger.kernel_launches += 1;
     }
-    ledger.path = std::string("blas[") + (ran == GemmPath::kokkos_kernels ? "KokkosKernels" : "generic") + "]";
+    ledger.path = std::string("blas[") +
+                  (ran == GemmPath::kokkos_kernels ? "KokkosKernels" : ran == GemmPath::vendor ? "cublas" : "generic") + "]";
   }
 
   /// Padded (blocked = false) or block (blocked = true) runner: gather into

@@ -7,7 +7,7 @@ Every header and source of a library may include KokkosMoE headers of its
 own library and of libraries on lower floors only (a library never reaches
 up, nor sideways to another library of its floor), and a library's impl/
 headers only from its own files. Apps (floor 5) may include any public
-header but no impl/ header. Prints every violation with file and line; exits
+header but no impl/ or tpls/ header (vendor specializations, private like impl/). Prints every violation with file and line; exits
 non-zero when there is one.
 """
 
@@ -15,7 +15,7 @@ import os
 import re
 import sys
 
-INCLUDE = re.compile(r'^\s*#\s*include\s*<((?:impl/)?KokkosMoE_[A-Za-z0-9_]+\.hpp)>')
+INCLUDE = re.compile(r'^\s*#\s*include\s*<((?:impl/|tpls/)?KokkosMoE_[A-Za-z0-9_]+\.hpp)>')
 
 
 def main(argv):
@@ -36,7 +36,7 @@ def main(argv):
         libs[name] = (int(floor), [os.path.join(root, d) for d in dirs.split(",")])
     for name, (_, dirs) in libs.items():
         for d in dirs:
-            for sub in ("", "impl"):
+            for sub in ("", "impl", "tpls"):
                 folder = os.path.join(d, sub)
                 if not os.path.isdir(folder):
                     continue
@@ -55,7 +55,7 @@ def main(argv):
     for name, (_, dirs) in libs.items():
         for d in dirs:
             for dirpath, _, names in os.walk(d):
-                if os.path.relpath(dirpath, d) not in (".", "impl"):
+                if os.path.relpath(dirpath, d) not in (".", "impl", "tpls"):
                     continue
                 files += [(name, os.path.join(dirpath, f)) for f in sorted(names) if f.endswith((".hpp", ".cpp"))]
     apps = os.path.join(root, "apps")
@@ -78,8 +78,8 @@ def main(argv):
                 if target is None:
                     problems.append(f"{where}: <{header}> belongs to no library")
                     continue
-                if header.startswith("impl/") and target != lib:
-                    problems.append(f"{where}: <{header}> is private to {target} (impl/), included from {lib}")
+                if header.startswith(("impl/", "tpls/")) and target != lib:
+                    problems.append(f"{where}: <{header}> is private to {target} ({header.split('/')[0]}/), included from {lib}")
                     continue
                 if target == lib:
                     continue

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -269,7 +270,10 @@ TEST_CASE("grouped: one launch per GEMM phase whatever the segments", "[experts]
     RunnerOptions o;
     o.grouped_kernel = k;
     RunLedger const l = run(Kokkos::DefaultExecutionSpace(), o, w, X, offsets, Y);
-    CHECK(l.kernel_launches == 2);
+    // The vendor path (where the build has one) is two grouped GEMM calls and the SwiGLU kernel.
+    bool const vendor = k == GroupedKernel::automatic &&
+                        Experts::Impl::GroupedVendor<Kokkos::DefaultExecutionSpace, float, float, float>::available;
+    CHECK(l.kernel_launches == (vendor ? 3 : 2));
     CHECK(l.nonempty_slots == 3);
     CHECK(worst_error(Y, reference_run(w, X, offsets), false) <= 0.0);
   }
@@ -516,4 +520,99 @@ TEST_CASE("runner parity: element comparison with NaN and infinities", "[experts
   CHECK(r.worst_col == 1);
   CHECK(std::isinf(r.max_abs_error));
   CHECK_THROWS_WITH(compare_outputs({1.0f}, {1.0f, 2.0f}, 1, 2, tol), Catch::Matchers::Contains("compare_outputs: 1 and 2 values"));
+}
+
+TEST_CASE("vendor grouped GEMM: refused where unavailable, else agrees with the portable kernel", "[experts][vendor]") {
+  using Exec = Kokkos::DefaultExecutionSpace;
+  std::mt19937 rng(31);
+  std::vector<index_t> const counts = {0, 5, 64, 1, 130, 0};
+  index_t n = 0;
+  for (index_t c : counts) n += c;
+  auto offsets = make_offsets(counts);
+  auto check = [&](auto tag) {
+    using WT = decltype(tag);
+    constexpr bool bf16 = std::is_same<WT, bf16_t>::value;
+    ExpertWeights<WT, Mem> w("w", iota_experts(6), 96, 80);
+    w.randomize(11);
+    auto X = random_rows<WT>(n, 96, rng);
+    RowMatrix<float> Yv("Yv", n, 96), Yp("Yp", n, 96);
+    RunnerOptions v;
+    v.grouped_kernel = GroupedKernel::vendor;
+    INFO((bf16 ? "bf16" : "fp32") << " weights");
+    if (!Experts::Impl::GroupedVendor<Exec, WT, WT, float>::available) {
+      CHECK_THROWS_WITH(run(Exec(), v, w, X, offsets, Yv), Catch::Matchers::Contains("grouped kernel 'vendor' is not available"));
+      return;
+    }
+    RunLedger const l = run(Exec(), v, w, X, offsets, Yv);
+    CHECK(l.path == "grouped[cublas]");
+    CHECK(l.kernel_launches == 3);
+    RunnerOptions p;
+    p.grouped_kernel = GroupedKernel::portable;
+    run(Exec(), p, w, X, offsets, Yp);
+    // H is rounded to the weights' type between the phases on the vendor path.
+    auto const a = to_host(Yv), b = to_host(Yp);
+    double worst = 0, scale = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+      scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
+    }
+    CHECK(worst <= (bf16 ? 2e-2 : 1e-4) * (1.0 + scale));
+  };
+  check(float{});
+  check(bf16_t{});
+}
+
+TEST_CASE("host decode kernel: the same bits as the tiled kernel, every ISA", "[experts][decode]") {
+  // The decode kernel (columns as SIMD lanes, weights read once along k) and
+  // the tiled micro-kernels (rows as SIMD lanes) add each output's products
+  // in the same order: a row gives the same bits whichever runs it, so the
+  // choice by rows per tile never changes a layer's output.
+  using Exec = Kokkos::DefaultExecutionSpace;
+  if constexpr (!Experts::Impl::is_host_exec<Exec>()) {
+    SUCCEED("host kernels only");
+  } else {
+    std::mt19937 rng(5);
+    struct Shape {
+      int d, dff;
+      std::vector<index_t> counts;
+    };
+    for (Shape const& s : {Shape{37, 21, {1, 0, 2, 8, 5}}, Shape{64, 48, {3, 1, 7, 0, 4}}, Shape{33, 100, {8, 8, 1}},
+                           Shape{16, 16, {2, 9, 1}}}) {
+      for (std::string const& isa : Experts::Impl::host_kernel_isas()) {
+        auto run_pair = [&](auto wtag, auto xtag) {
+          using WT = decltype(wtag);
+          using XT = decltype(xtag);
+          ExpertWeights<WT, Mem> w("w", iota_experts(static_cast<int>(s.counts.size())), s.d, s.dff);
+          w.randomize(21);
+          index_t n = 0;
+          for (index_t c : s.counts) n += c;
+          auto X = random_rows<XT>(n, s.d, rng);
+          auto offsets = make_offsets(s.counts);
+          RowMatrix<float> Yd("Yd", n, s.d), Yt("Yt", n, s.d);
+          RunnerOptions o;
+          o.grouped_kernel = GroupedKernel::host_simd;
+          o.host_isa = isa;
+          o.decode_rows = 8;
+          RunLedger const ld = run(Exec(), o, w, X, offsets, Yd);
+          o.decode_rows = 0;
+          RunLedger const lt = run(Exec(), o, w, X, offsets, Yt);
+          index_t small = 0;
+          for (index_t c : s.counts) small += c <= 8 ? c : 0;
+          INFO("isa " << isa << " d=" << s.d << " dff=" << s.dff << " weights " << (std::is_same<WT, float>::value ? "fp32" : "bf16")
+                      << " rows " << (std::is_same<XT, float>::value ? "fp32" : "bf16") << " path " << ld.path);
+          CHECK(ld.decode_rows == small);
+          CHECK(lt.decode_rows == 0);
+          auto const a = to_host(Yd), b = to_host(Yt);
+          CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+          CHECK(worst_error(Yd, reference_run(w, X, offsets), false) <= 0.0);
+        };
+        run_pair(float{}, float{});
+        run_pair(bf16_t{}, float{});
+        run_pair(bf16_t{}, bf16_t{});
+      }
+    }
+    RunnerOptions bad;
+    bad.decode_rows = 9;
+    CHECK_THROWS_WITH(Runner<>(bad), Catch::Matchers::Contains("decode_rows 9 must be in [-1, 8]"));
+  }
 }

@@ -89,4 +89,23 @@ TEST_CASE("gemm rejects mismatched extents and unavailable paths", "[gemm]") {
   RowMatrix<bf16_t> Ab("Ab", 4, 5);
   RowMatrix<float> C6("C6", 4, 6);
   CHECK_THROWS_AS(gemm(exec, 'N', 'T', 1.0f, Ab, B, 0.0f, C6, GemmPath::kokkos_kernels), KokkosMoE::Error);
+  RowMatrix<bf16_t> Bb("Bb", 6, 5);
+  if (!KokkosMoE::Impl::GemmVendor<Kokkos::DefaultExecutionSpace, RowMatrix<bf16_t>, RowMatrix<bf16_t>, RowMatrix<float>>::available)
+    CHECK_THROWS_WITH(gemm(exec, 'N', 'T', 1.0f, Ab, Bb, 0.0f, C6, GemmPath::vendor),
+                      Catch::Matchers::Contains("the vendor path was requested but this build has no vendor GEMM"));
+}
+
+TEST_CASE("vendor gemm (cuBLAS in CUDA builds) agrees with the fp64 reference", "[gemm][vendor]") {
+  using Exec = Kokkos::DefaultExecutionSpace;
+  if (!KokkosMoE::Impl::GemmVendor<Exec, RowMatrix<bf16_t>, RowMatrix<bf16_t>, RowMatrix<float>>::available) {
+    SUCCEED("no vendor GEMM in this build");
+    return;
+  }
+  std::mt19937 rng(13);
+  for (char ta : {'N', 'T'})
+    for (char tb : {'N', 'T'}) {
+      check_case<bf16_t, float>(37, 29, 300, ta, tb, GemmPath::vendor, rng);
+      check_case<bf16_t, bf16_t>(65, 33, 129, ta, tb, GemmPath::vendor, rng);
+      check_case<float, float>(13, 15, 17, ta, tb, GemmPath::vendor, rng);
+    }
 }

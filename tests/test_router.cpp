@@ -15,6 +15,7 @@
 #include <KokkosMoE_Router.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -1078,4 +1079,71 @@ TEST_CASE("admission: a huge capacity factor admits every route (the capacity sa
       CHECK(stats.capacity >= 0);
     }
   }
+}
+
+TEST_CASE("team and thread selection mappings give the same bits", "[router][mapping]") {
+  // The team mapping (a team of vector lanes per token, the GPU kernel) and
+  // the thread mapping (one thread per token) on the same inputs: experts,
+  // gates, scores, selected scores and kept groups/domains bit for bit,
+  // including NaN and infinite logits, ties, empty domains, T = 0.
+  std::mt19937 rng(77);
+  auto bits = [](float f) {
+    std::uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  int cases = 0;
+  for (int E : {1, 3, 7, 16, 33, 64, 100, 256}) {
+    for (int rep = 0; rep < 8; ++rep) {
+      RouterConfig c = random_config(rng, E);
+      if (c.top_k > 16) c.top_k = 16;
+      c.score = rep % 3 == 0 ? ScoreFunction::softmax : rep % 3 == 1 ? ScoreFunction::sigmoid : ScoreFunction::identity;
+      int const T = rep % 4 == 0 ? 0 : rep % 4 == 1 ? 1 : rep % 4 == 2 ? 37 : 130;
+      std::normal_distribution<float> nd(0.0f, 3.0f);
+      std::vector<float> logits(static_cast<std::size_t>(T) * E);
+      for (auto& x : logits) x = rep % 2 ? std::round(nd(rng)) : nd(rng);  // rounded: many ties
+      if (T > 1) {
+        logits[static_cast<std::size_t>(E) - 1] = std::numeric_limits<float>::quiet_NaN();
+        logits[static_cast<std::size_t>(E)] = -std::numeric_limits<float>::infinity();
+      }
+      auto const bias = random_scores(rng, static_cast<std::size_t>(E), 4);
+      INFO("E=" << E << " T=" << T << " k=" << c.top_k << " score=" << to_string(c.score) << " groups=" << c.num_groups
+                << "/" << c.topk_groups << " domains=" << c.num_domains() << "/" << c.max_domains);
+      RouterConfig ct = c, cm = c;
+      ct.select_mapping = SelectMapping::thread;
+      cm.select_mapping = SelectMapping::team;
+      Router<Mem> rt(ct), rm(cm);
+      set_bias(rt, bias);
+      set_bias(rm, bias);
+      auto const lg = to_device(logits, T, E);
+      RouteTable<Mem> at, am;
+      rt.route_logits(Exec(), lg, at);
+      rm.route_logits(Exec(), lg, am);
+      auto const e1 = host_copy(at.expert), e2 = host_copy(am.expert);
+      auto const g1 = host_copy(at.gate), g2 = host_copy(am.gate);
+      auto const s1 = host_copy(rt.scores()), s2 = host_copy(rm.scores());
+      auto const a1 = host_copy(rt.selected_scores()), a2 = host_copy(rm.selected_scores());
+      int diff = 0;
+      for (int t = 0; t < T; ++t) {
+        for (int j = 0; j < c.top_k; ++j)
+          diff += (e1(t, j) != e2(t, j)) + (bits(g1(t, j)) != bits(g2(t, j))) + (bits(a1(t, j)) != bits(a2(t, j)));
+        for (int e = 0; e < E; ++e) diff += bits(s1(t, e)) != bits(s2(t, e)) && !(s1(t, e) != s1(t, e) && s2(t, e) != s2(t, e));
+      }
+      if (c.group_limited() || c.domain_limited()) {
+        auto const k1 = host_copy(c.group_limited() ? rt.selected_groups() : rt.selected_domains());
+        auto const k2 = host_copy(c.group_limited() ? rm.selected_groups() : rm.selected_domains());
+        for (int t = 0; t < T; ++t)
+          for (std::size_t j = 0; j < k1.extent(1); ++j) diff += k1(t, j) != k2(t, j);
+      }
+      CHECK(diff == 0);
+      ++cases;
+    }
+  }
+  CHECK(cases == 64);
+  // The team mapping keeps at most 16 experts per token.
+  RouterConfig big;
+  big.num_experts = 32;
+  big.top_k = 17;
+  big.select_mapping = SelectMapping::team;
+  CHECK_THROWS_WITH(Router<Mem>(big), Catch::Matchers::Contains("team selection mapping keeps at most 16"));
 }

@@ -62,6 +62,7 @@ int run(int argc, char** argv) {
   CLI::App app{"exchange algorithms next to MPI_Alltoallv"};
   int tokens = 4096, top_k = 8, width = 2048, experts = 64, reps = 7, waves = 4;
   double sender_cf = 1.25, receiver_cf = 1.5;
+  std::string transport = "mpi";
   app.add_option("--tokens", tokens, "tokens per rank")->check(CLI::NonNegativeNumber);
   app.add_option("--top-k", top_k, "routes per token")->check(CLI::PositiveNumber);
   app.add_option("--width", width, "hidden width d")->check(CLI::PositiveNumber);
@@ -70,6 +71,8 @@ int run(int argc, char** argv) {
   app.add_option("--waves", waves, "pooled-wave waves")->check(CLI::PositiveNumber);
   app.add_option("--sender-cf", sender_cf, "pooled-wave sender capacity factor");
   app.add_option("--receiver-cf", receiver_cf, "pooled-wave receiver capacity factor");
+  app.add_option("--transport", transport, "how rows move: mpi, or nccl (CUDA builds with NCCL)")
+      ->check(CLI::IsMember({"mpi", "nccl"}));
   try {
     app.parse(argc, argv);
   } catch (CLI::ParseError const& e) {
@@ -131,8 +134,10 @@ int run(int argc, char** argv) {
   auto report = [&](char const* algo, std::pair<double, double> times, Exchange::ByteLedger const& ledger) {
     double const s = times.first, alltoallv_s = times.second;
     auto const total = ledger.reduced(MPI_COMM_WORLD);
-    kmoe_bench::print_bench(std::string("exchange_") + algo + "_np" + std::to_string(size),
+    kmoe_bench::print_bench(std::string("exchange_") + algo + (transport == "mpi" ? "" : "_" + transport) + "_np" +
+                                std::to_string(size),
                             {{"s", kmoe_bench::fmt(s)}, {"alltoallv_s", kmoe_bench::fmt(alltoallv_s)}, {"dtype", "bf16"},
+                             {"transport", transport}, {"memory", MS::name()},
                              {"shape", shape}, {"nodes", std::to_string(topo.num_nodes())},
                              {"inter_node_bytes", std::to_string(total.dispatch.inter_node_payload_bytes())},
                              {"relay_rows", std::to_string(total.dispatch.relay_rows())},
@@ -146,6 +151,7 @@ int run(int argc, char** argv) {
   config.sender_cf = sender_cf;
   config.receiver_cf = receiver_cf;
   config.tokens_per_rank = tokens;
+  config.transport = from_string<Exchange::TransportKind>(transport);
   config.top_k = top_k;
   PayloadBuffer<MS> returned(exec, "bench::returned", PayloadType::bf16, width, plan.rows());
   for (auto const algorithm : {Exchange::Algorithm::flat, Exchange::Algorithm::hierarchical, Exchange::Algorithm::pooled_wave}) {

@@ -100,7 +100,7 @@ int run(int argc, char** argv) {
     std::printf("# router: T=%d E=%d k=%d groups=%d keep=%d (top2 sum) score=%s+bias d=%d gemm=%s "
                 "host_threads=%d blas_threads=%d exec=%s\n",
                 tokens, experts, top_k, groups, topk_groups, score.c_str(), hidden_dim,
-                path == GemmPath::kokkos_kernels ? "KokkosKernels" : "generic", threads, blas_threads, Exec::name());
+                to_string(path).c_str(), threads, blas_threads, Exec::name());
   }
   double const tps = select_s > 0 ? tokens / select_s : 0.0;
   kmoe_bench::print_bench("router_select",

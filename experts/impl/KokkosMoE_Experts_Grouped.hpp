@@ -15,16 +15,17 @@
 ///   ([K][R], FP32, zero beyond the tile), then walks its column range in
 ///   steps of nrw weight rows, each one call of the register-blocked
 ///   micro-kernel of the CPU's ISA (impl/KokkosMoE_Experts_HostKernels.hpp)
-///   that reads the weight rows in place (float or bf16) and keeps the
+///   that reads the weight rows in place (FP32; bf16 rows are converted into
+///   an FP32 panel first) and keeps the
 ///   [nrw][R] result in registers over the whole reduction. SiLU and the
 ///   product are applied to the micro-kernel's result (phase 1 pairs gate and
 ///   up rows of the same columns in one call). Only the last, partial step of
 ///   a tensor copies its rows into scratch, so nothing past a tensor is read.
 /// - PortableGroupedPhase (any execution space; the GPU mapping): MT x NT
 ///   output tiles, KT-deep panels of the row tile and of the weight rows
-///   staged in team scratch (padded against bank conflicts), team threads
-///   over RM-row strips, vector lanes over columns, FP32 accumulation in
-///   scratch between panels.
+///   staged in team scratch as FP32 (padded against bank conflicts), every
+///   team thread accumulating an RM x RN register tile over the whole
+///   reduction.
 
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
@@ -47,6 +48,16 @@ constexpr bool is_host_exec() {
 }
 
 KOKKOS_INLINE_FUNCTION float silu(float g) { return g / (1.0f + Compat::exp(-g)); }
+
+/// Vendor grouped GEMM for weights WT, rows XT in, YT out on Exec: the
+/// primary template is "not available" (the portable and host kernels run);
+/// tpls/ specializes it where a vendor library applies (see
+/// tpls/KokkosMoE_Experts_Grouped_cuBLAS.hpp).
+template <class Exec, class WT, class XT, class YT, class Enable = void>
+struct GroupedVendor {
+  static constexpr bool available = false;
+  static constexpr char const* name = "none";
+};
 
 /// A work tile: rows [row0, row0 + rows) of local slot `slot`.
 struct Tile {
@@ -88,6 +99,7 @@ struct HostGroupedPhase {
   int K = 0;       // reduction length (d, or d_ff)
   int N = 0;       // output columns (d_ff, or d)
   int groups = 1;  // column ranges per tile
+  int decode_rows = 0;  // tiles of at most this many rows take the decode kernel (same bits)
 
   static constexpr std::size_t align = 64;
   static std::size_t round_up(std::size_t n) { return (n + align - 1) / align * align; }
@@ -99,7 +111,9 @@ struct HostGroupedPhase {
   std::size_t xt_bytes() const {
     return round_up(static_cast<std::size_t>(K) * table.max_vectors * table.vector_length * sizeof(float));
   }
-  std::size_t tail_bytes() const { return round_up(static_cast<std::size_t>(K) * nrw_max() * sizeof(float)); }
+  std::size_t tail_bytes() const {
+    return round_up(static_cast<std::size_t>(K) * Compat::max(nrw_max(), table.vector_length) * sizeof(float));
+  }
   std::size_t acc_bytes() const {
     return round_up(static_cast<std::size_t>(nrw_max()) * table.max_vectors * table.vector_length * sizeof(float));
   }
@@ -108,11 +122,17 @@ struct HostGroupedPhase {
   /// Output columns per micro-kernel call for mv row vectors.
   int cols_per_step(int mv) const { return Phase == 1 ? table.nrw[mv] / 2 : table.nrw[mv]; }
 
+  void decode_tile(member_type const& team, Tile const& t, int g) const;
+
   void operator()(member_type const& team) const {
     int const item = team.league_rank();
     Tile const t = tiles(item / groups);
     int const g = item % groups;
     int const rows = static_cast<int>(t.rows);
+    if (rows <= decode_rows) {
+      decode_tile(team, t, g);
+      return;
+    }
     int const VL = table.vector_length;
     int const mv = (rows + VL - 1) / VL;
     int const R = mv * VL;
@@ -144,18 +164,22 @@ struct HostGroupedPhase {
     long const ldw = K;
     for (int c0 = c_begin; c0 < c_end; c0 += P) {
       int const nc = Compat::min(P, c_end - c0);
-      if (c0 + P <= N) {
-        // Weight rows read in place: phase 1 pairs gate/up rows c0.., phase 2
-        // takes nrw consecutive down rows.
-        auto const* a = &w0(q, c0, 0);
-        auto const* b = Phase == 1 ? &w1(q, c0, 0) : a + static_cast<std::size_t>(h) * K;
-        if constexpr (bf16_weights)
-          table.bf16[mv](K, xt, host_weight_ptr(a), host_weight_ptr(b), ldw, acc);
-        else
-          table.f32[mv](K, xt, host_weight_ptr(a), host_weight_ptr(b), ldw, acc);
-      } else {
-        // Last columns of the tensor: copy the valid rows (FP32, the last one
-        // repeated) so that no row beyond the tensor is read.
+      bool in_place = false;
+      if constexpr (!bf16_weights) {
+        if (c0 + P <= N) {
+          // FP32 weight rows read in place: phase 1 pairs gate/up rows c0..,
+          // phase 2 takes nrw consecutive down rows.
+          float const* a = &w0(q, c0, 0);
+          float const* b = Phase == 1 ? &w1(q, c0, 0) : a + static_cast<std::size_t>(h) * K;
+          table.f32[mv](K, xt, a, b, ldw, acc);
+          in_place = true;
+        }
+      }
+      if (!in_place) {
+        // bf16 weight rows, converted once per step into an FP32 panel (a
+        // vectorized copy, cheap next to the mv vector FMAs every element
+        // then meets), and the last columns of the tensor: the valid rows
+        // copied (the last one repeated) so that no row beyond it is read.
         for (int j = 0; j < nrw; ++j) {
           int const jj = Phase == 1 ? (j < h ? j : j - h) : j;
           int const col = c0 + Compat::min(jj, nc - 1);
@@ -177,14 +201,95 @@ struct HostGroupedPhase {
   }
 };
 
+/// The decode mapping of HostGroupedPhase for a tile of few rows: the
+/// columns of the group's range in steps of vector_length weight rows, each
+/// block of weights read once along k by the decode kernel, for all the
+/// tile's rows at a time (see HostDecodeKernelF32).
+template <class ExecutionSpace, class In, class W, class Out, int Phase>
+void host_decode_tile(HostGroupedPhase<ExecutionSpace, In, W, Out, Phase> const& p,
+                      typename HostGroupedPhase<ExecutionSpace, In, W, Out, Phase>::member_type const& team, Tile const& t,
+                      int g) {
+  using phase_t = HostGroupedPhase<ExecutionSpace, In, W, Out, Phase>;
+  using out_value = typename phase_t::out_value;
+  int const rows = static_cast<int>(t.rows);
+  int const VL = p.table.vector_length;
+  int const K = p.K, N = p.N;
+  int const steps = (N + VL - 1) / VL;
+  int const per_group = (steps + p.groups - 1) / p.groups;
+  int const c_begin = Compat::min(N, g * per_group * VL);
+  int const c_end = Compat::min(N, (g + 1) * per_group * VL);
+  if (c_begin >= c_end) return;
+  auto raw = reinterpret_cast<std::uintptr_t>(team.team_scratch(1).get_shmem(p.scratch_bytes()));
+  float* const xs = reinterpret_cast<float*>((raw + phase_t::align - 1) / phase_t::align * phase_t::align);
+  float* const tail = xs + p.xt_bytes() / sizeof(float);
+  float* const acc = tail + p.tail_bytes() / sizeof(float);
+  // The tile's rows as FP32, [rows][K].
+  for (int i = 0; i < rows; ++i) {
+    auto const* src = &p.in(t.row0 + i, 0);
+    for (int k = 0; k < K; ++k) xs[static_cast<std::size_t>(i) * K + k] = to_float(src[k]);
+  }
+  std::size_t const q = static_cast<std::size_t>(t.slot);
+  long const ld = K;
+  // Weight rows [c0, c0 + VL) of w (in place, or the valid ones copied as
+  // FP32 with the last one repeated) through the decode kernel into out.
+  auto block = [&](typename phase_t::weight_value const* w, int nc, float* out) {
+    if (nc == VL) {
+      if constexpr (phase_t::bf16_weights)
+        p.table.decode_bf16[rows](K, xs, ld, host_weight_ptr(w), ld, out);
+      else
+        p.table.decode_f32[rows](K, xs, ld, host_weight_ptr(w), ld, out);
+      return;
+    }
+    for (int j = 0; j < VL; ++j) {
+      auto const* src = w + static_cast<std::size_t>(Compat::min(j, nc - 1)) * K;
+      float* dst = tail + static_cast<std::size_t>(j) * K;
+      for (int k = 0; k < K; ++k) dst[k] = to_float(src[k]);
+    }
+    p.table.decode_f32[rows](K, xs, ld, tail, ld, out);
+  };
+  float* const a = acc;
+  float* const b = acc + static_cast<std::size_t>(rows) * VL;
+  for (int c0 = c_begin; c0 < c_end; c0 += VL) {
+    int const nc = Compat::min(VL, c_end - c0);  // < VL only for the tensor's last columns
+    block(&p.w0(q, c0, 0), nc, a);
+    if (Phase == 1) block(&p.w1(q, c0, 0), nc, b);
+    for (int i = 0; i < rows; ++i) {
+      auto* dst = &p.out(t.row0 + i, c0);
+      if (Phase == 1) {
+        for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(silu(a[i * VL + j]) * b[i * VL + j]);
+      } else {
+        for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(a[i * VL + j]);
+      }
+    }
+  }
+}
+
+template <class ExecutionSpace, class In, class W, class Out, int Phase>
+void HostGroupedPhase<ExecutionSpace, In, W, Out, Phase>::decode_tile(member_type const& team, Tile const& t, int g) const {
+  host_decode_tile(*this, team, t, g);
+}
+
 /// Portable phase functor (the GPU mapping); see the file comment.
+///
+/// A team owns an MT x NT output tile of one segment and walks the reduction
+/// in KT-deep panels staged in team scratch as FP32 (rows and weights may be
+/// float or bf16; both panels padded by one column against bank conflicts).
+/// The team's TR x TC threads each own an RM x RN register tile (per weight
+/// set) held across all panels: rows ty + TR * i, columns tx + TC * j, so
+/// neighbouring threads read neighbouring scratch words and write
+/// neighbouring output columns. On host spaces the team is one thread that
+/// owns the whole tile (TR = TC = 1).
 template <class ExecutionSpace, class In, class W, class Out, class TileView, int Phase>
 struct PortableGroupedPhase {
-  static constexpr int MT = 32;       // rows per tile
-  static constexpr int NT = 32;       // output columns per tile (vector lanes)
-  static constexpr int KT = 32;       // reduction depth per staged panel
-  static constexpr int RM = 4;        // rows per team thread
-  static constexpr int TT = MT / RM;  // team threads
+  static constexpr bool host = is_host_exec<ExecutionSpace>();
+  static constexpr int MT = 64;             // rows per tile
+  static constexpr int NT = 64;             // output columns per tile
+  static constexpr int KT = 32;             // reduction depth per staged panel
+  static constexpr int TR = host ? 1 : 16;  // thread rows of the team
+  static constexpr int TC = host ? 1 : 16;  // thread columns of the team
+  static constexpr int TS = TR * TC;        // team size
+  static constexpr int RM = MT / TR;        // register tile rows
+  static constexpr int RN = NT / TC;        // register tile columns
   static constexpr int NW = Phase == 1 ? 2 : 1;
 
   using policy_type = Kokkos::TeamPolicy<ExecutionSpace>;
@@ -203,9 +308,9 @@ struct PortableGroupedPhase {
   int K = 0, N = 0, col_tiles = 1;
 
   static std::size_t scratch_bytes() {
-    return scratch_view::shmem_size(KT, MT + 1) + scratch_view::shmem_size(NW * KT, NT + 1) +
-           scratch_view::shmem_size(NW * MT, NT);
+    return scratch_view::shmem_size(KT, MT + 1) + scratch_view::shmem_size(NW * KT, NT + 1);
   }
+  static constexpr int team_size() { return TS; }
 
   KOKKOS_INLINE_FUNCTION void operator()(member_type const& team) const {
     int const item = team.league_rank();
@@ -216,52 +321,48 @@ struct PortableGroupedPhase {
     index_t const q = t.slot, r0 = t.row0;
     scratch_view xs(team.team_scratch(0), KT, MT + 1);
     scratch_view ws(team.team_scratch(0), NW * KT, NT + 1);
-    scratch_view cs(team.team_scratch(0), NW * MT, NT);
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, NW * MT), [&](int i) {
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, NT), [&](int c) { cs(i, c) = 0.0f; });
-    });
+    int const tid = team.team_rank();
+    int const ty = tid / TC, tx = tid - ty * TC;
+    float acc[NW][RM][RN];
+    for (int w = 0; w < NW; ++w)
+      for (int i = 0; i < RM; ++i)
+        for (int j = 0; j < RN; ++j) acc[w][i][j] = 0.0f;
     for (int k0 = 0; k0 < K; k0 += KT) {
       int const kk = Compat::min(KT, K - k0);
       team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, MT), [&](int i) {
-        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, KT), [&](int p) {
-          xs(p, i) = (i < rows && p < kk) ? to_float(in(r0 + i, k0 + p)) : 0.0f;
-        });
+      // Consecutive threads take consecutive k of one row (coalesced reads).
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, MT * KT), [&](int idx) {
+        int const i = idx / KT, p = idx - i * KT;
+        xs(p, i) = (i < rows && p < kk) ? to_float(in(r0 + i, k0 + p)) : 0.0f;
       });
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, NW * NT), [&](int wc) {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, NW * NT * KT), [&](int idx) {
+        int const wc = idx / KT, p = idx - wc * KT;
         int const w = wc / NT, c = wc - w * NT;
-        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, KT), [&](int p) {
-          float v = 0.0f;
-          if (c < nc && p < kk) v = to_float(w == 0 ? w0(q, c0 + c, k0 + p) : w1(q, c0 + c, k0 + p));
-          ws(w * KT + p, c) = v;
-        });
+        float v = 0.0f;
+        if (c < nc && p < kk) v = to_float(w == 0 ? w0(q, c0 + c, k0 + p) : w1(q, c0 + c, k0 + p));
+        ws(w * KT + p, c) = v;
       });
       team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, TT), [&](int tt) {
-        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, NT), [&](int c) {
-          float a[NW][RM];
-          for (int w = 0; w < NW; ++w)
-            for (int r = 0; r < RM; ++r) a[w][r] = cs(w * MT + tt * RM + r, c);
-          for (int p = 0; p < KT; ++p) {
-            float b[NW];
-            for (int w = 0; w < NW; ++w) b[w] = ws(w * KT + p, c);
-            for (int r = 0; r < RM; ++r) {
-              float const x = xs(p, tt * RM + r);
-              for (int w = 0; w < NW; ++w) a[w][r] += x * b[w];
-            }
-          }
-          for (int w = 0; w < NW; ++w)
-            for (int r = 0; r < RM; ++r) cs(w * MT + tt * RM + r, c) = a[w][r];
-        });
-      });
+      for (int p = 0; p < kk; ++p) {
+        float a[RM], b[NW][RN];
+        for (int i = 0; i < RM; ++i) a[i] = xs(p, ty + TR * i);
+        for (int w = 0; w < NW; ++w)
+          for (int j = 0; j < RN; ++j) b[w][j] = ws(w * KT + p, tx + TC * j);
+        for (int w = 0; w < NW; ++w)
+          for (int i = 0; i < RM; ++i)
+            for (int j = 0; j < RN; ++j) acc[w][i][j] += a[i] * b[w][j];
+      }
     }
-    team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](int i) {
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, nc), [&](int c) {
-        float const v = Phase == 1 ? silu(cs(i, c)) * cs(MT + i, c) : cs(i, c);
-        out(r0 + i, c0 + c) = from_float<out_value>(v);
-      });
-    });
+    for (int i = 0; i < RM; ++i) {
+      int const r = ty + TR * i;
+      if (r >= rows) break;
+      for (int j = 0; j < RN; ++j) {
+        int const c = tx + TC * j;
+        if (c >= nc) break;
+        float const v = Phase == 1 ? silu(acc[0][i][j]) * acc[NW - 1][i][j] : acc[0][i][j];
+        out(r0 + r, c0 + c) = from_float<out_value>(v);
+      }
+    }
   }
 };
 

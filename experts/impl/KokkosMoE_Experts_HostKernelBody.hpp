@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if !defined(KOKKOSMOE_EXPERTS_ISA_NS) || !defined(KOKKOSMOE_EXPERTS_VECTOR_BYTES)
 #error "define KOKKOSMOE_EXPERTS_ISA_NS and KOKKOSMOE_EXPERTS_VECTOR_BYTES before including this header"
@@ -74,7 +75,92 @@ void micro(int K, float const* __restrict xt, W const* __restrict w0, W const* _
     for (int m = 0; m < MV; ++m) std::memcpy(acc + j * R + m * VL, &c[j][m], sizeof(vfloat));
 }
 
+// Decode micro-kernel: out[i * VL + j] = sum_k w_j[k] * x_i[k] for the VL
+// weight rows w_j = w + j * ldw and R rows x_i = x + i * ldx (FP32). Output
+// columns are the SIMD lanes: VL x VL weight blocks are read along k (each
+// weight element once, contiguous), transposed in registers, and every
+// output accumulates its products one k at a time in increasing k, exactly
+// as micro() does, so both kernels give the same bits for a row.
+
+// Swaps row bit P with lane bit P of the rows (i, i + P) pair.
+template <int P, std::size_t... L>
+static inline vfloat mix_low(vfloat a, vfloat b, std::index_sequence<L...>) {
+  return __builtin_shufflevector(a, b, static_cast<int>((L & P) ? VL + L - P : L)...);
+}
+template <int P, std::size_t... L>
+static inline vfloat mix_high(vfloat a, vfloat b, std::index_sequence<L...>) {
+  return __builtin_shufflevector(a, b, static_cast<int>((L & P) ? VL + L : L + P)...);
+}
+template <int P>
+static inline void transpose_stage(vfloat* r) {
+  if constexpr (P >= 1) {
+    for (int i = 0; i < VL; ++i) {
+      if (i & P) continue;
+      vfloat const a = r[i], b = r[i + P];
+      r[i] = mix_low<P>(a, b, std::make_index_sequence<VL>{});
+      r[i + P] = mix_high<P>(a, b, std::make_index_sequence<VL>{});
+    }
+    transpose_stage<P / 2>(r);
+  }
+}
+
+static inline vfloat load_row(float const* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline vfloat load_row(std::uint16_t const* p) {
+  typedef std::uint16_t vu16 __attribute__((vector_size(VL * 2)));
+  typedef std::uint32_t vu32 __attribute__((vector_size(VL * 4)));
+  vu16 h;
+  std::memcpy(&h, p, sizeof h);
+  vu32 const u = __builtin_convertvector(h, vu32) << 16;
+  vfloat v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+template <int R, class W>
+void decode(int K, float const* __restrict x, long ldx, W const* __restrict w, long ldw, float* __restrict out) {
+  vfloat acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = vfloat{};
+  int const kb = K / VL * VL;
+  for (int k0 = 0; k0 < kb; k0 += VL) {
+    vfloat t[VL];
+#pragma GCC unroll 16
+    for (int j = 0; j < VL; ++j) {
+      W const* row = w + j * ldw + k0;
+      __builtin_prefetch(row + 8 * VL);
+      t[j] = load_row(row);
+    }
+    transpose_stage<VL / 2>(t);
+#pragma GCC unroll 16
+    for (int kk = 0; kk < VL; ++kk)
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) acc[i] += t[kk] * splat(x[i * ldx + k0 + kk]);
+  }
+  for (int k = kb; k < K; ++k) {
+    float col[VL];
+    for (int j = 0; j < VL; ++j) col[j] = load_weight(w + j * ldw + k);
+    vfloat const t = load_row(col);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i] += t * splat(x[i * ldx + k]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) std::memcpy(out + i * VL, &acc[i], sizeof(vfloat));
+}
+
 #else
+
+template <int R, class W>
+void decode(int K, float const* x, long ldx, W const* w, long ldw, float* out) {
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < VL; ++j) out[i * VL + j] = 0.0f;
+  for (int k = 0; k < K; ++k)
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < VL; ++j) out[i * VL + j] += load_weight(w + j * ldw + k) * x[i * ldx + k];
+}
 
 template <int MV, int NRW, class W>
 void micro(int K, float const* xt, W const* w0, W const* w1, long ldw, float* acc) {
@@ -90,13 +176,22 @@ void micro(int K, float const* xt, W const* w0, W const* w1, long ldw, float* ac
 
 #endif
 
-/// Table entries f32[mv] and bf16[mv] with nrw[mv] weight rows.
+/// Table entry f32[mv] with nrw[mv] weight rows.
 template <int MV, int NRW>
 void set_kernel(HostKernelTable& t) {
   static_assert(NRW % 2 == 0, "weight rows come in two groups");
   t.f32[MV] = &micro<MV, NRW, float>;
-  t.bf16[MV] = &micro<MV, NRW, std::uint16_t>;
   t.nrw[MV] = NRW;
+}
+
+/// Decode entries for 1..host_decode_max_rows rows.
+template <std::size_t... R>
+void set_decode_kernels(HostKernelTable& t, std::index_sequence<R...>) {
+  ((t.decode_f32[R + 1] = &decode<static_cast<int>(R + 1), float>), ...);
+  ((t.decode_bf16[R + 1] = &decode<static_cast<int>(R + 1), std::uint16_t>), ...);
+}
+inline void set_decode_kernels(HostKernelTable& t) {
+  set_decode_kernels(t, std::make_index_sequence<host_decode_max_rows>{});
 }
 
 }  // namespace KOKKOSMOE_EXPERTS_ISA_NS

@@ -14,8 +14,8 @@
 ///     w_j = w0 + j * ldw (j < h),  w_j = w1 + (j - h) * ldw (j >= h)
 ///
 /// where xt is the row tile staged transposed ([K][R], contiguous, FP32,
-/// zero beyond the tile's rows) and the weight rows are read in place (float
-/// or bf16 storage, converted as they are broadcast). Rows are the SIMD
+/// zero beyond the tile's rows) and the FP32 weight rows are read in place
+/// (the caller converts bf16 rows into an FP32 panel first). Rows are the SIMD
 /// dimension: every weight element is loaded once, broadcast, and meets R rows
 /// in mv vector FMAs; the weights are never copied or transposed, so a tiny
 /// tile streams them exactly once. The two row groups let phase 1 pair gate
@@ -32,12 +32,18 @@ namespace Impl {
 
 /// \brief Largest number of row vectors of a host micro-kernel.
 constexpr int host_max_vectors = 4;
+/// \brief Largest number of rows of a decode micro-kernel.
+constexpr int host_decode_max_rows = 8;
 
 /// \brief acc[nrw][R] = w[nrw][K] . xt[K][R] with float weight rows.
 using HostMicroKernelF32 = void (*)(int K, float const* xt, float const* w0, float const* w1, long ldw, float* acc);
-/// \brief The same with bf16 weight rows (upper halves of binary32).
-using HostMicroKernelBF16 = void (*)(int K, float const* xt, std::uint16_t const* w0, std::uint16_t const* w1, long ldw,
-                                     float* acc);
+
+/// \brief Decode kernel: out[i * VL + j] = w_j . x_i for the vector_length
+/// weight rows w_j = w + j * ldw (read along k, float or bf16) and R FP32
+/// rows x_i = x + i * ldx; each output accumulated in increasing k like the
+/// micro-kernels (same bits), for segments of few rows.
+using HostDecodeKernelF32 = void (*)(int K, float const* x, long ldx, float const* w, long ldw, float* out);
+using HostDecodeKernelBF16 = void (*)(int K, float const* x, long ldx, std::uint16_t const* w, long ldw, float* out);
 
 /// \brief The micro-kernels of one instruction set.
 struct HostKernelTable {
@@ -45,8 +51,9 @@ struct HostKernelTable {
   int vector_length = 0;                       ///< floats per SIMD vector
   int max_vectors = 0;                         ///< row vectors of the widest kernel
   HostMicroKernelF32 f32[host_max_vectors + 1] = {};    ///< f32[mv], mv in [1, max_vectors]
-  HostMicroKernelBF16 bf16[host_max_vectors + 1] = {};  ///< bf16[mv]
-  int nrw[host_max_vectors + 1] = {};          ///< weight rows of f32[mv] and bf16[mv] (always even)
+  int nrw[host_max_vectors + 1] = {};          ///< weight rows of f32[mv] (always even)
+  HostDecodeKernelF32 decode_f32[host_decode_max_rows + 1] = {};    ///< decode_f32[R], R in [1, host_decode_max_rows]
+  HostDecodeKernelBF16 decode_bf16[host_decode_max_rows + 1] = {};  ///< decode_bf16[R]
 };
 
 /// \brief Fills a table with one instruction set's kernels (defined in the

@@ -18,6 +18,7 @@ void fill_host_kernels_avx2(HostKernelTable& t) {
   t.max_vectors = 2;
   avx2::set_kernel<2, 6>(t);
   avx2::set_kernel<1, 12>(t);
+  avx2::set_decode_kernels(t);
 }
 
 }  // namespace Impl

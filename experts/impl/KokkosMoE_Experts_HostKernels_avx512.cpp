@@ -21,6 +21,7 @@ void fill_host_kernels_avx512(HostKernelTable& t) {
   avx512::set_kernel<3, 8>(t);
   avx512::set_kernel<2, 12>(t);
   avx512::set_kernel<1, 12>(t);
+  avx512::set_decode_kernels(t);
 }
 
 }  // namespace Impl

@@ -17,6 +17,7 @@ void fill_host_kernels_generic(HostKernelTable& t) {
   generic::set_kernel<3, 8>(t);
   generic::set_kernel<2, 12>(t);
   generic::set_kernel<1, 12>(t);
+  generic::set_decode_kernels(t);
 }
 
 }  // namespace Impl

@@ -4,8 +4,10 @@
 /// \file KokkosMoE_Gemm.hpp
 /// \brief C = alpha * op(A) * op(B) + beta * C with FP32 accumulation on an
 /// execution space instance: Kokkos Kernels (BLAS / cuBLAS TPL) for float
-/// operands when available, a portable tiled Kokkos kernel otherwise (and for
-/// bf16 operands). The profiling region names the path that ran.
+/// operands when available; cuBLAS cublasGemmEx (tensor cores) for bf16
+/// operands in CUDA builds with cuBLAS (tpls/KokkosMoE_Gemm_cuBLAS.hpp); a
+/// portable tiled Kokkos kernel otherwise. The profiling region names the
+/// path that ran.
 
 #include <KokkosMoE_EnumNames.hpp>
 #include <KokkosMoE_Error.hpp>
@@ -22,17 +24,34 @@
 #include <type_traits>
 
 namespace KokkosMoE {
+namespace Impl {
+/// Vendor GEMM for operand views AV, BV and result CV on Exec: not
+/// available by default; tpls/ specializes it (cuBLAS on CUDA).
+template <class Exec, class AV, class BV, class CV, class Enable = void>
+struct GemmVendor {
+  static constexpr bool available = false;
+  static bool usable(AV const&, BV const&, CV const&) { return false; }
+};
+}  // namespace Impl
+}  // namespace KokkosMoE
+#include <tpls/KokkosMoE_Gemm_cuBLAS.hpp>
+
+namespace KokkosMoE {
 
 /// \brief Which GEMM implementation to use.
 enum class GemmPath {
-  automatic,       ///< Kokkos Kernels when available and the operands are float
+  automatic,       ///< Kokkos Kernels for float operands, else the vendor GEMM, else generic
   kokkos_kernels,  ///< Kokkos Kernels; an error when it is not available
   generic,         ///< the portable Kokkos kernel
+  vendor,          ///< cuBLAS cublasGemmEx (CUDA builds with cuBLAS); an error elsewhere
 };
 
 inline EnumTable<GemmPath> const& names_of(GemmPath) {
-  static EnumTable<GemmPath> const t{
-      "GEMM path", {{GemmPath::automatic, "auto"}, {GemmPath::kokkos_kernels, "kokkos_kernels"}, {GemmPath::generic, "generic"}}};
+  static EnumTable<GemmPath> const t{"GEMM path",
+                                     {{GemmPath::automatic, "auto"},
+                                      {GemmPath::kokkos_kernels, "kokkos_kernels"},
+                                      {GemmPath::generic, "generic"},
+                                      {GemmPath::vendor, "vendor"}}};
   return t;
 }
 
@@ -43,6 +62,15 @@ constexpr bool have_kokkos_kernels() {
 #else
   return false;
 #endif
+}
+
+/// \brief True when gemm() has a vendor path on Exec for operands of T with a
+/// result of C (cuBLAS in CUDA builds).
+template <class Exec, class T, class C = T>
+constexpr bool have_vendor_gemm() {
+  using MS = typename Exec::memory_space;
+  using A = Kokkos::View<T**, Kokkos::LayoutRight, MS>;
+  return Impl::GemmVendor<Exec, A, A, Kokkos::View<C**, Kokkos::LayoutRight, MS>>::available;
 }
 
 namespace Impl {
@@ -140,11 +168,27 @@ GemmPath gemm(Exec const& exec, char trans_a, char trans_b, float alpha, AV cons
   constexpr bool all_float = std::is_same<typename AV::non_const_value_type, float>::value &&
                              std::is_same<typename BV::non_const_value_type, float>::value &&
                              std::is_same<typename CV::non_const_value_type, float>::value;
-  bool const use_kk = all_float && have_kokkos_kernels() && path != GemmPath::generic;
+  bool const use_kk =
+      all_float && have_kokkos_kernels() && (path == GemmPath::automatic || path == GemmPath::kokkos_kernels);
   KOKKOSMOE_REQUIRE(path != GemmPath::kokkos_kernels || use_kk,
                     "gemm: the Kokkos Kernels path was requested but "
                         << (have_kokkos_kernels() ? "the operands are not all float" : "this build has no Kokkos Kernels"));
-  if (m == 0 || n == 0) return use_kk ? GemmPath::kokkos_kernels : GemmPath::generic;
+  using vendor = Impl::GemmVendor<Exec, AV, BV, CV>;
+  bool const use_vendor =
+      vendor::available && (path == GemmPath::vendor || (path == GemmPath::automatic && !use_kk)) && vendor::usable(A, B, C);
+  KOKKOSMOE_REQUIRE(path != GemmPath::vendor || use_vendor,
+                    "gemm: the vendor path was requested but "
+                        << (vendor::available ? "the operands' rows are not contiguous"
+                                              : "this build has no vendor GEMM for these operand types on this execution space "
+                                                "(cuBLAS in CUDA builds, KokkosMoE_ENABLE_CUBLAS)"));
+  GemmPath const ran = use_vendor ? GemmPath::vendor : use_kk ? GemmPath::kokkos_kernels : GemmPath::generic;
+  if (m == 0 || n == 0) return ran;
+  if constexpr (vendor::available) {
+    if (use_vendor) {
+      vendor::run(exec, ta, tb, alpha, A, B, beta, C);
+      return ran;
+    }
+  }
 #ifdef KOKKOSMOE_HAVE_KOKKOSKERNELS
   if constexpr (all_float) {
     if (use_kk) {

@@ -128,8 +128,44 @@ KOKKOS_INLINE_FUNCTION void encode_row(Member const& team, PayloadType t, int d,
   }
 }
 
-/// Byte copy of one row: memcpy on host backends, vector lanes over 8-byte
-/// words (where aligned) on devices.
+/// 16 bytes moved as one vector load/store on devices.
+struct alignas(16) Bytes16 {
+  std::uint64_t lo, hi;
+};
+
+KOKKOS_INLINE_FUNCTION bool aligned16(void const* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+/// Eight consecutive elements of a float or bf16 row as floats (p 16-byte
+/// aligned): one or two 16-byte loads.
+KOKKOS_INLINE_FUNCTION void load8(float const* p, float* f) {
+  Bytes16 const a = reinterpret_cast<Bytes16 const*>(p)[0], b = reinterpret_cast<Bytes16 const*>(p)[1];
+  memcpy(f, &a, 16);
+  memcpy(f + 4, &b, 16);
+}
+KOKKOS_INLINE_FUNCTION void load8(bf16_t const* p, float* f) {
+  Bytes16 const a = *reinterpret_cast<Bytes16 const*>(p);
+  std::uint64_t const w[2] = {a.lo, a.hi};
+  for (int i = 0; i < 8; ++i)
+    f[i] = bits_float(static_cast<std::uint32_t>((w[i / 4] >> (16 * (i % 4))) & 0xFFFFu) << 16);
+}
+/// Stores eight floats into a float or bf16 row (p 16-byte aligned; bf16
+/// rounds to nearest even like from_float).
+KOKKOS_INLINE_FUNCTION void store8(float* p, float const* f) {
+  Bytes16 a, b;
+  memcpy(&a, f, 16);
+  memcpy(&b, f + 4, 16);
+  reinterpret_cast<Bytes16*>(p)[0] = a;
+  reinterpret_cast<Bytes16*>(p)[1] = b;
+}
+KOKKOS_INLINE_FUNCTION void store8(bf16_t* p, float const* f) {
+  std::uint64_t w[2] = {0, 0};
+  for (int i = 0; i < 8; ++i) w[i / 4] |= static_cast<std::uint64_t>(to_bf16(f[i]).bits) << (16 * (i % 4));
+  *reinterpret_cast<Bytes16*>(p) = Bytes16{w[0], w[1]};
+}
+
+/// Byte copy of one row: memcpy on host backends; on devices vector lanes
+/// over 16-byte words where both rows allow (8-byte words, then bytes, where
+/// they do not).
 template <class Member>
 KOKKOS_INLINE_FUNCTION void copy_row_bytes(Member const& team, unsigned char const* src, unsigned char* dst,
                                            std::int64_t nbytes) {
@@ -137,7 +173,11 @@ KOKKOS_INLINE_FUNCTION void copy_row_bytes(Member const& team, unsigned char con
   // Host backends run one thread per team here: one memcpy per row.
   if (team.team_rank() == 0) memcpy(dst, src, static_cast<std::size_t>(nbytes));
 #else
-  if (nbytes % 8 == 0 && reinterpret_cast<std::uintptr_t>(src) % 8 == 0 && reinterpret_cast<std::uintptr_t>(dst) % 8 == 0) {
+  if (nbytes % 16 == 0 && aligned16(src) && aligned16(dst)) {
+    auto const* s = reinterpret_cast<Bytes16 const*>(src);
+    auto* o = reinterpret_cast<Bytes16*>(dst);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, static_cast<int>(nbytes / 16)), [&](int w) { o[w] = s[w]; });
+  } else if (nbytes % 8 == 0 && reinterpret_cast<std::uintptr_t>(src) % 8 == 0 && reinterpret_cast<std::uintptr_t>(dst) % 8 == 0) {
     auto const* s = reinterpret_cast<std::uint64_t const*>(src);
     auto* o = reinterpret_cast<std::uint64_t*>(dst);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, static_cast<int>(nbytes / 8)), [&](int w) { o[w] = s[w]; });
@@ -145,6 +185,24 @@ KOKKOS_INLINE_FUNCTION void copy_row_bytes(Member const& team, unsigned char con
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, static_cast<int>(nbytes)), [&](int b) { dst[b] = src[b]; });
   }
 #endif
+}
+
+/// out[j] = in[j] converted (float <-> bf16, RNE) for j < d, team-cooperative:
+/// on devices each vector lane moves eight elements with 16-byte accesses
+/// where the rows allow; elementwise otherwise (same bits either way).
+template <class Member, class S, class D>
+KOKKOS_INLINE_FUNCTION void convert_row(Member const& team, S const* in, D* out, int d) {
+#if KOKKOSMOE_DEVICE_PASS
+  if (d % 8 == 0 && aligned16(in) && aligned16(out)) {
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d / 8), [&](int v) {
+      float f[8];
+      load8(in + 8 * v, f);
+      store8(out + 8 * v, f);
+    });
+    return;
+  }
+#endif
+  Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](int j) { out[j] = from_float<D>(to_float(in[j])); });
 }
 
 /// True when Exec runs on the host (vector lanes are then plain loops).

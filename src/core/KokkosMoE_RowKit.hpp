@@ -109,6 +109,10 @@ KOKKOS_INLINE_FUNCTION void copy_row(Member const& team, TypedRows<T, MS> const&
   unsigned char* out = &dst.bytes(q, 0);
   if (same_representation<std::remove_const_t<T>>(dst.type)) {
     copy_row_bytes(team, reinterpret_cast<unsigned char const*>(in), out, dst.row_bytes);
+  } else if (dst.type == PayloadType::bf16) {
+    convert_row(team, in, reinterpret_cast<bf16_t*>(out), dst.width);
+  } else if (dst.type == PayloadType::fp32) {
+    convert_row(team, in, reinterpret_cast<float*>(out), dst.width);
   } else {
     encode_row(team, dst.type, dst.width, [&](int j) { return to_float(in[j]); }, out);
   }
@@ -121,6 +125,10 @@ KOKKOS_INLINE_FUNCTION void copy_row(Member const& team, PayloadRows<MS> const& 
   T* out = &dst.m(q, 0);
   if (same_representation<std::remove_const_t<T>>(src.type)) {
     copy_row_bytes(team, in, reinterpret_cast<unsigned char*>(out), src.row_bytes);
+  } else if (src.type == PayloadType::bf16) {
+    convert_row(team, reinterpret_cast<bf16_t const*>(in), out, src.width);
+  } else if (src.type == PayloadType::fp32) {
+    convert_row(team, reinterpret_cast<float const*>(in), out, src.width);
   } else {
     PayloadType const t = src.type;
     int const d = src.width;
@@ -138,7 +146,7 @@ KOKKOS_INLINE_FUNCTION void copy_row(Member const& team, TypedRows<T, MS> const&
     copy_row_bytes(team, reinterpret_cast<unsigned char const*>(in), reinterpret_cast<unsigned char*>(out),
                    static_cast<std::int64_t>(d) * static_cast<std::int64_t>(sizeof(U)));
   } else {
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](int j) { out[j] = from_float<U>(to_float(in[j])); });
+    convert_row(team, in, out, d);
   }
 }
 

@@ -96,6 +96,10 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
   constexpr bool direct = std::is_same<T, float>::value;
   std::size_t const bytes = direct ? 0 : scratch_t::shmem_size(static_cast<std::size_t>(d));
   int const level = bytes > 32768 ? 1 : 0;
+  // Devices: eight elements per vector lane with 16-byte loads and stores and
+  // the sums in registers, where widths and alignment allow.
+  bool const vec8 = (type == PayloadType::bf16 || type == PayloadType::fp32) && d % 8 == 0 && aligned16(rows.data()) &&
+                    aligned16(out.data());
   auto policy = Impl::row_policy(exec, n_tokens);
   if (!direct) policy.set_scratch_size(level, Kokkos::PerTeam(bytes));
   Kokkos::parallel_for(label, policy, KOKKOS_LAMBDA(member_t const& team) {
@@ -108,6 +112,7 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
       acc = scratch_t(team.team_scratch(level), d).data();
     }
 #if !KOKKOSMOE_DEVICE_PASS
+    (void)vec8;
     // Host: one thread per team; bf16/fp32 rows go through the ISA-dispatched
     // row kernel (same bits as the loops below, k rows streamed together).
     constexpr int max_k = 64;
@@ -139,6 +144,24 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
 #else
     // Both compiler passes of a CUDA lambda must capture the same variables.
     (void)n_tokens;
+    if (vec8) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d / 8), [&](int v) {
+        float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int j = 0; j < k; ++j) {
+          index_t const a = route_index(t, j);
+          if (a < 0) continue;
+          float const w = use_gate ? gate(a) : 1.0f;
+          float y[8];
+          if (type == PayloadType::bf16)
+            load8(reinterpret_cast<bf16_t const*>(&rows(inv(a), 0)) + 8 * v, y);
+          else
+            load8(reinterpret_cast<float const*>(&rows(inv(a), 0)) + 8 * v, y);
+          for (int i = 0; i < 8; ++i) sum[i] += w * y[i];
+        }
+        store8(&out(t, 8 * v), sum);
+      });
+      return;
+    }
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](int c) { acc[c] = 0.0f; });
     for (int j = 0; j < k; ++j) {
       index_t const a = route_index(t, j);

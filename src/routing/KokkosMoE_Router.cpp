@@ -75,6 +75,8 @@ void RouterConfig::validate() const {
   KOKKOSMOE_REQUIRE(E >= 1, "router: num_experts must be >= 1 (got " << E << ")");
   KOKKOSMOE_REQUIRE(top_k >= 1, "router: top_k must be >= 1 (got " << top_k << ")");
   KOKKOSMOE_REQUIRE(top_k <= E, "router: top_k " << top_k << " > num_experts " << E);
+  KOKKOSMOE_REQUIRE(select_mapping != SelectMapping::team || top_k <= 16,
+                    "router: the team selection mapping keeps at most 16 experts per token (top_k = " << top_k << ")");
   KOKKOSMOE_REQUIRE(num_groups >= 1, "router: num_groups must be >= 1 (got " << num_groups << ")");
   KOKKOSMOE_REQUIRE(E % num_groups == 0,
                     "router: num_groups " << num_groups << " does not divide num_experts " << E);

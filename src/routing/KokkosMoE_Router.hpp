@@ -78,6 +78,19 @@ inline EnumTable<SetScore> const& names_of(SetScore) {
 /// which sets *m to N when m is given. Throws Error naming the accepted names.
 SetScore set_score_from_string(std::string const& name, int* m = nullptr);
 
+/// \brief How the selection kernel maps tokens to the hardware.
+enum class SelectMapping {
+  automatic,  ///< thread on host execution spaces, team elsewhere (team needs top_k <= 16)
+  thread,     ///< one thread per token (the CPU mapping)
+  team,       ///< a team of vector lanes per token (the GPU mapping; top_k <= 16)
+};
+/// \brief "auto", "thread", "team".
+inline EnumTable<SelectMapping> const& names_of(SelectMapping) {
+  static EnumTable<SelectMapping> const t{
+      "selection mapping", {{SelectMapping::automatic, "auto"}, {SelectMapping::thread, "thread"}, {SelectMapping::team, "team"}}};
+  return t;
+}
+
 /// \brief Router settings. The group limit and the domain limit are exclusive.
 struct RouterConfig {
   int num_experts = 0;   ///< E routed experts
@@ -99,6 +112,7 @@ struct RouterConfig {
   float route_scale = 1.0f;          ///< gates are multiplied by this (after normalization)
 
   AdmissionConfig admission;         ///< admission policy applied after selection
+  SelectMapping select_mapping = SelectMapping::automatic;  ///< selection kernel mapping (same results)
 
   /// \brief True when groups restrict the candidates.
   bool group_limited() const { return group_score != SetScore::none && topk_groups < num_groups; }
@@ -165,6 +179,7 @@ class Router {
       typename MemorySpace::execution_space exec;
       domain_offsets_ = Impl::to_device_ints<MemorySpace>(exec, offsets, "KokkosMoE::Router::domain_offsets");
       domain_members_ = Impl::to_device_ints<MemorySpace>(exec, members, "KokkosMoE::Router::domain_members");
+      domain_of_ = Impl::to_device_ints<MemorySpace>(exec, config_.expert_domain, "KokkosMoE::Router::domain_of");
     }
   }
 
@@ -324,7 +339,28 @@ class Router {
       f.set_mode = config_.domain_score == SetScore::max ? Impl::KernelSetScore::max : Impl::KernelSetScore::top_m_sum;
       f.top_m = config_.domain_top_m;
     }
-    Kokkos::parallel_for("KokkosMoE::Router::select", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, logits.extent(0)), f);
+    index_t const T = static_cast<index_t>(logits.extent(0));
+    constexpr bool host = Kokkos::SpaceAccessibility<ExecutionSpace, Kokkos::HostSpace>::accessible;
+    SelectMapping const m = config_.select_mapping;
+    if constexpr (K > 0) {
+      if (m == SelectMapping::team || (m == SelectMapping::automatic && !host)) {
+        using team_kernel = Impl::RouterSelectTeam<MemorySpace, K>;
+        team_kernel g;
+        static_cast<Impl::RouterSelect<MemorySpace, K>&>(g) = f;
+        g.domain_of = domain_of_;
+        g.num_tokens = T;
+        g.tokens_per_team = host ? 1 : 4;
+        int const lanes = host ? 1 : team_kernel::lanes;
+        Kokkos::TeamPolicy<ExecutionSpace> policy(exec, static_cast<int>((T + g.tokens_per_team - 1) / g.tokens_per_team),
+                                                  g.tokens_per_team, lanes);
+        policy.set_scratch_size(0, Kokkos::PerTeam(team_kernel::bytes_per_token() * static_cast<std::size_t>(g.tokens_per_team)));
+        Compat::ScopedRegion region("KokkosMoE::Router::select[team]");
+        Kokkos::parallel_for("KokkosMoE::Router::select[team]", policy, g);
+        return;
+      }
+    }
+    Compat::ScopedRegion region("KokkosMoE::Router::select[thread]");
+    Kokkos::parallel_for("KokkosMoE::Router::select[thread]", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, T), f);
   }
 
   template <class ExecutionSpace>
@@ -350,7 +386,7 @@ class Router {
 
   RouterConfig config_;
   Kokkos::View<float*, MemorySpace> bias_, zero_bias_;
-  Kokkos::View<int*, MemorySpace> domain_offsets_, domain_members_;
+  Kokkos::View<int*, MemorySpace> domain_offsets_, domain_members_, domain_of_;
   Mat<float> logits_, scores_, affinity_, set_scores_;
   Mat<int> kept_;
   Workspace<MemorySpace> work_{"KokkosMoE::Router"};

@@ -278,6 +278,171 @@ struct RouterSelect {
   }
 };
 
+/// The router kernel with a team of vector lanes per token (the GPU mapping):
+/// scores over lanes, group/domain scores one set per lane, then every lane
+/// keeps the best K candidate keys of its strided experts in team scratch
+/// and k rounds of a vector max pick the winners. Every result equals
+/// RouterSelect's bit for bit where floating-point contraction is the same
+/// (softmax sums keep the 8 fixed partial sums; keys order totally).
+/// K in {1, 2, 4, 8, 16}: k <= K.
+template <class MemorySpace, int K>
+struct RouterSelectTeam : RouterSelect<MemorySpace, K> {
+  static_assert(K > 0, "RouterSelectTeam keeps K keys per lane");
+  static constexpr int lanes = 32;    ///< candidate lists per token
+  static constexpr int partials = 8;  ///< softmax partial sums (RouterSelect's order)
+  using Base = RouterSelect<MemorySpace, K>;
+  using Base::sel;
+
+  Kokkos::View<const int*, MemorySpace> domain_of;  ///< [E] domain of every expert (domain limit)
+  index_t num_tokens = 0;
+  int tokens_per_team = 1;
+
+  /// Team scratch bytes per token.
+  static constexpr std::size_t bytes_per_token() {
+    return sizeof(std::uint64_t) * lanes * K + sizeof(int) * lanes + sizeof(float) * partials;
+  }
+
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(Member const& team) const {
+    int const slot = team.team_rank();
+    index_t const t = static_cast<index_t>(team.league_rank()) * tokens_per_team + slot;
+    bool const valid = t < num_tokens;
+    char* base = static_cast<char*>(team.team_shmem().get_shmem(bytes_per_token() * tokens_per_team));
+    base += bytes_per_token() * static_cast<std::size_t>(slot);
+    std::uint64_t* const lists = reinterpret_cast<std::uint64_t*>(base);  // [lanes][K]
+    int* const head = reinterpret_cast<int*>(lists + lanes * K);          // [lanes]
+    float* const part = reinterpret_cast<float*>(head + lanes);           // [partials]
+    int const E = this->E;
+    float* const s = valid ? &this->scores(t, 0) : nullptr;
+    float const* const x = valid ? &this->input(t, 0) : nullptr;
+
+    // 1. Scores (softmax: max and sum over RouterSelect's 8 fixed partials).
+    bool const softmax = valid && this->score == KernelScore::softmax;
+    if (softmax) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, partials), [&](int l) {
+        float mx = neg_infinity();
+        for (int e = l; e < E; e += partials) mx = Compat::max(mx, x[e]);
+        part[l] = mx;
+      });
+    }
+    team.team_barrier();
+    if (softmax) {
+      float m = part[0];
+      for (int l = 1; l < partials; ++l) m = Compat::max(m, part[l]);
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, E), [&](int e) { s[e] = exp_poly(x[e] - m); });
+    } else if (valid) {
+      bool const sig = this->score == KernelScore::sigmoid;
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, E),
+                           [&](int e) { s[e] = sig ? 1.0f / (1.0f + exp_poly(-x[e])) : x[e]; });
+    }
+    team.team_barrier();
+    if (softmax) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, partials), [&](int l) {
+        float p = 0.0f;
+        for (int e = l; e < E; e += partials) p += s[e];
+        part[l] = p;
+      });
+    }
+    team.team_barrier();
+    if (softmax) {
+      float total = part[0];
+      for (int l = 1; l < partials; ++l) total += part[l];
+      float const inv = 1.0f / total;
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, E), [&](int e) { s[e] *= inv; });
+    }
+    team.team_barrier();
+
+    // 2. Group or domain scores, one set per lane; one lane keeps the best.
+    if (valid && this->limit != KernelLimit::none) {
+      float* const ss = &this->set_scores(t, 0);
+      bool const groups = this->limit == KernelLimit::groups;
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, this->num_sets), [&](int g) {
+        if (groups) {
+          int const b = g * this->group_size;
+          ss[g] = select_value(set_score(this->set_mode, this->top_m, this->group_size, [&](int i) { return sel(s, b + i); }));
+        } else {
+          int const lo = this->domain_offsets(g), n = this->domain_offsets(g + 1) - lo;
+          ss[g] = n == 0 ? neg_infinity()
+                         : select_value(set_score(this->set_mode, this->top_m, n,
+                                                  [&](int i) { return sel(s, this->domain_members(lo + i)); }));
+        }
+      });
+    }
+    team.team_barrier();
+    if (valid && this->limit != KernelLimit::none) {
+      Kokkos::single(Kokkos::PerThread(team), [&]() {
+        float const* const ss = &this->set_scores(t, 0);
+        int* const kept = &this->kept(t, 0);
+        for (int j = 0; j < this->keep_sets; ++j) kept[j] = -1;
+        auto val = [&](int g) { return ss[g]; };
+        bool const groups = this->limit == KernelLimit::groups;
+        for (int g = 0; g < this->num_sets; ++g) {
+          if (!groups && this->domain_offsets(g + 1) == this->domain_offsets(g)) continue;  // never kept
+          insert_index(kept, this->keep_sets, g, val);
+        }
+      });
+    }
+    team.team_barrier();
+
+    // 3. Each lane's best K candidate keys (descending), then k rounds of a max.
+    if (valid) {
+      int const* const kept = this->limit != KernelLimit::none ? &this->kept(t, 0) : nullptr;
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, lanes), [&](int l) {
+        std::uint64_t top[K];
+        for (int j = 0; j < K; ++j) top[j] = 0;
+        for (int e = l; e < E; e += lanes) {
+          if (kept) {
+            int const set = this->limit == KernelLimit::groups ? e / this->group_size : domain_of(e);
+            bool in = false;
+            for (int j = 0; j < this->keep_sets; ++j) in = in || kept[j] == set;
+            if (!in) continue;
+          }
+          std::uint64_t const key = select_key(sel(s, e), e);
+          if (key <= top[K - 1]) continue;
+          for (int j = K - 1; j > 0; --j) top[j] = key > top[j - 1] ? top[j - 1] : (key > top[j] ? key : top[j]);
+          top[0] = key > top[0] ? key : top[0];
+        }
+        for (int j = 0; j < K; ++j) lists[l * K + j] = top[j];
+        head[l] = 0;
+      });
+    }
+    team.team_barrier();
+    if (valid) {
+      int* const ti = &this->expert(t, 0);
+      for (int j = 0; j < this->k; ++j) {
+        std::uint64_t best = 0;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(team, lanes),
+            [&](int l, std::uint64_t& b) {
+              std::uint64_t const key = head[l] < K ? lists[l * K + head[l]] : 0;
+              if (key > b) b = key;
+            },
+            Kokkos::Max<std::uint64_t>(best));
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, lanes), [&](int l) {
+          if (head[l] < K && lists[l * K + head[l]] == best) ++head[l];
+        });
+        Kokkos::single(Kokkos::PerThread(team), [&]() { ti[j] = key_index(best); });
+      }
+    }
+    team.team_barrier();
+
+    // 4. Gates from the original scores of the selected experts.
+    if (valid) {
+      Kokkos::single(Kokkos::PerThread(team), [&]() {
+        int const* const ti = &this->expert(t, 0);
+        float sum = 0.0f;
+        for (int j = 0; j < this->k; ++j) {
+          float const a = s[ti[j]];
+          this->affinity(t, j) = a;
+          sum += a;
+        }
+        float const denom = (this->normalize && sum > 0.0f) ? sum : 1.0f;
+        for (int j = 0; j < this->k; ++j) this->gate(t, j) = (this->affinity(t, j) / denom) * this->route_scale;
+      });
+    }
+  }
+};
+
 }  // namespace Impl
 }  // namespace KokkosMoE
 

@@ -1,0 +1,160 @@
+#ifndef KOKKOSMOE_EXPERTS_GROUPED_CUBLAS_HPP
+#define KOKKOSMOE_EXPERTS_GROUPED_CUBLAS_HPP
+
+/// \file tpls/KokkosMoE_Experts_Grouped_cuBLAS.hpp
+/// \brief The grouped runner's vendor specialization on CUDA: tensor-core
+/// grouped GEMM through cuBLAS (cublasGemmGroupedBatchedEx, CUDA >= 12.5).
+///
+/// Two grouped calls per run, each over the non-empty segments of every
+/// local expert (FP32 accumulation, on the execution space instance's
+/// stream):
+///
+///     phase 1 (2 problems per segment q):  GU_q[:, 0:f]  = X_q Wg_q^T
+///                                          GU_q[:, f:2f] = X_q Wu_q^T   (GU FP32)
+///     SwiGLU (one Kokkos kernel):          H = SiLU(GU[:, 0:f]) * GU[:, f:2f]  (stored as W's type)
+///     phase 2 (1 problem per segment q):   Y_q = H_q Wd_q^T              (Y float or W's type)
+///
+/// cuBLAS is column-major: a row-major [rows, K] matrix is its column-major
+/// transpose, so Y_q^T = Wd_q (H_q)^T is the call with op(A) = Wd (A = the
+/// row-major weight, transposed) and op(B) = H_q^T (B = the row-major rows,
+/// not transposed). H is rounded to the weights' type between the phases
+/// (tensor cores take both operands in one type); the portable and host
+/// kernels keep H in FP32, so results agree to the rounding of H, not
+/// bitwise.
+///
+/// Selected by the trait GroupedVendor<Exec, W, X, Y>::available (true here
+/// for Kokkos::Cuda with X of the weights' type and Y float or that type);
+/// never required: without cuBLAS the primary template (not available) leaves
+/// the portable kernel in charge.
+
+#include <KokkosMoE_Cublas.hpp>
+#include <KokkosMoE_Error.hpp>
+#include <KokkosMoE_KokkosCompat.hpp>
+#include <KokkosMoE_Payload.hpp>
+#include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
+#include <KokkosMoE_config.hpp>
+#include <impl/KokkosMoE_Experts_Grouped.hpp>
+
+#if defined(KOKKOSMOE_HAVE_CUBLAS) && defined(KOKKOS_ENABLE_CUDA)
+#include <cublas_v2.h>
+
+#include <type_traits>
+#include <vector>
+
+namespace KokkosMoE {
+namespace Experts {
+namespace Impl {
+
+using KokkosMoE::Impl::cublas_check;
+using KokkosMoE::Impl::cublas_handle;
+using KokkosMoE::Impl::cuda_data_type;
+
+/// The problems of one grouped call (one problem per group), assembled on
+/// the host; the operand pointer arrays travel to the device in one copy.
+struct GroupedProblems {
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<int> m, n, k, lda, ldb, ldc, size;
+  std::vector<float> alpha, beta;
+  std::vector<void const*> a, b;
+  std::vector<void*> c;
+  void add(int mm, int nn, int kk, void const* A, int la, void const* B, int lb, void* C, int lc) {
+    ta.push_back(CUBLAS_OP_T);
+    tb.push_back(CUBLAS_OP_N);
+    m.push_back(mm);
+    n.push_back(nn);
+    k.push_back(kk);
+    a.push_back(A);
+    lda.push_back(la);
+    b.push_back(B);
+    ldb.push_back(lb);
+    c.push_back(C);
+    ldc.push_back(lc);
+    alpha.push_back(1.0f);
+    beta.push_back(0.0f);
+    size.push_back(1);
+  }
+  int count() const { return static_cast<int>(m.size()); }
+};
+
+/// Y_q = op(A_q) op(B_q) for every problem of p in one cublasGemmGroupedBatchedEx.
+template <class MS>
+void grouped_gemm(cublasHandle_t h, Kokkos::Cuda const& exec, GroupedProblems const& p, cudaDataType_t ab_type,
+                  cudaDataType_t c_type, Workspace<MS>& ws, char const* label) {
+  int const g = p.count();
+  if (g == 0) return;
+  // Pointer arrays: [A... | B... | C...] in one device buffer.
+  auto ptrs = ws.template vector<void*>(exec, label, 3 * static_cast<index_t>(g));
+  auto host = Kokkos::create_mirror_view(ptrs);
+  for (int i = 0; i < g; ++i) {
+    host(i) = const_cast<void*>(p.a[static_cast<std::size_t>(i)]);
+    host(g + i) = const_cast<void*>(p.b[static_cast<std::size_t>(i)]);
+    host(2 * g + i) = p.c[static_cast<std::size_t>(i)];
+  }
+  Kokkos::deep_copy(exec, ptrs, host);
+  Compat::ScopedRegion region(label);
+  cublas_check(cublasGemmGroupedBatchedEx(h, p.ta.data(), p.tb.data(), p.m.data(), p.n.data(), p.k.data(), p.alpha.data(),
+                                          const_cast<void const* const*>(ptrs.data()), ab_type, p.lda.data(),
+                                          const_cast<void const* const*>(ptrs.data() + g), ab_type, p.ldb.data(),
+                                          p.beta.data(), ptrs.data() + 2 * g, c_type, p.ldc.data(), g, p.size.data(),
+                                          CUBLAS_COMPUTE_32F),
+               "cublasGemmGroupedBatchedEx");
+  // The host arrays above are read when the call is enqueued; the mirror of
+  // the pointers must outlive the copy, which deep_copy from pageable
+  // memory completes before returning.
+}
+
+template <class WT, class XT, class YT>
+struct GroupedVendor<Kokkos::Cuda, WT, XT, YT,
+                     std::enable_if_t<std::is_same<WT, XT>::value &&
+                                      (std::is_same<YT, float>::value || std::is_same<YT, WT>::value)>> {
+  static constexpr bool available = true;
+  static constexpr char const* name = "cublas";
+
+  /// Runs the two grouped phases and the SwiGLU kernel over segments offs;
+  /// returns the number of launches (grouped calls and kernels).
+  template <class MS, class WV, class XV, class YV>
+  static int run(Kokkos::Cuda const& exec, WV const& gate, WV const& up, WV const& down, XV const& X,
+          std::vector<index_t> const& offs, YV const& Y, Workspace<MS>& ws) {
+    int const d = static_cast<int>(gate.extent(2)), f = static_cast<int>(gate.extent(1));
+    index_t const n = offs.back();
+    KOKKOSMOE_REQUIRE((X.extent(0) <= 1 || static_cast<index_t>(X.stride(0)) == d) &&
+                          (Y.extent(0) <= 1 || static_cast<index_t>(Y.stride(0)) == d),
+                      "Experts: cuBLAS path needs contiguous rows (X stride " << X.stride(0) << ", Y stride " << Y.stride(0)
+                                                                             << ", d = " << d << ")");
+    auto GU = ws.template matrix<float>(exec, "cublas_gu", n, 2 * static_cast<std::size_t>(f));
+    auto H = ws.template matrix<WT>(exec, "cublas_h", n, static_cast<std::size_t>(f));
+    GroupedProblems p1, p2;
+    std::size_t const per_w = static_cast<std::size_t>(d) * static_cast<std::size_t>(f);
+    for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
+      index_t const b = offs[q], rows = offs[q + 1] - offs[q];
+      if (rows == 0) continue;
+      int const r = static_cast<int>(rows);
+      auto const* x = X.data() + static_cast<std::size_t>(b) * d;
+      float* gu = GU.data() + static_cast<std::size_t>(b) * 2 * f;
+      p1.add(f, r, d, gate.data() + q * per_w, d, x, d, gu, 2 * f);
+      p1.add(f, r, d, up.data() + q * per_w, d, x, d, gu + f, 2 * f);
+      p2.add(d, r, f, down.data() + q * per_w, f, H.data() + static_cast<std::size_t>(b) * f, f,
+             Y.data() + static_cast<std::size_t>(b) * d, d);
+    }
+    cublasHandle_t h = cublas_handle(exec);
+    grouped_gemm(h, exec, p1, cuda_data_type<WT>(), CUDA_R_32F, ws, "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase1]");
+    std::size_t const total = static_cast<std::size_t>(n) * static_cast<std::size_t>(f);
+    Kokkos::parallel_for(
+        "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,swiglu]",
+        Kokkos::RangePolicy<Kokkos::Cuda, Kokkos::IndexType<std::size_t>>(exec, 0, total), KOKKOS_LAMBDA(std::size_t i) {
+          std::size_t const r = i / static_cast<std::size_t>(f), j = i - r * static_cast<std::size_t>(f);
+          H(r, j) = from_float<WT>(silu(GU(r, j)) * GU(r, f + j));
+        });
+    grouped_gemm(h, exec, p2, cuda_data_type<WT>(), cuda_data_type<YT>(), ws,
+                 "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase2]");
+    return 3;
+  }
+};
+
+}  // namespace Impl
+}  // namespace Experts
+}  // namespace KokkosMoE
+
+#endif
+#endif
