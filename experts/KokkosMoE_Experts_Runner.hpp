@@ -124,6 +124,8 @@ struct RunnerOptions {
 /// \brief Rows up to which the decode kernel is faster than the tiled one
 /// (measured with kmoe-bench experts on AVX-512 and AVX2 hosts).
 constexpr int default_decode_rows = 8;
+/// \brief Largest RunnerOptions::decode_rows.
+constexpr int max_decode_rows = Impl::host_decode_max_rows;
 
 /// \brief What one run executed. Row counts are rows of the runner's batch;
 /// FLOPs are analytical matmul FLOPs (6 * rows * d * d_ff).
@@ -426,7 +428,9 @@ class Runner {
         launch_host(exec, p2, tiles.size(), "KokkosMoE::Experts::Runner::grouped[phase2]");
         ledger.kernel_launches += 2;
         ledger.descriptor_bytes += static_cast<index_t>(tiles.size() * sizeof(Impl::Tile));
-        ledger.path = std::string("grouped[host:") + table.isa + (decoded == n ? ",decode" : decoded > 0 ? ",tiled+decode" : "") + "]";
+        bool const dot = decltype(p1)::dp_types && table.dp[1] != nullptr;
+        ledger.path = std::string("grouped[host:") + table.isa + (dot ? ",bf16dot" : "") +
+                      (decoded == n ? ",decode" : decoded > 0 ? ",tiled+decode" : "") + "]";
         return;
       }
     }

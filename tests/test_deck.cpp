@@ -25,6 +25,11 @@ std::string read(std::string const& path) {
 
 TEST_CASE("defaults and values", "[deck]") {
   auto const d = parse_layer_deck("d.toml", "", 4);
+  CHECK(d.experts.kernel == Experts::GroupedKernel::automatic);
+  CHECK(d.experts.decode_rows == -1);
+  auto const e = parse_layer_deck("d.toml", "[experts]\nkernel = \"portable\"\ndecode_rows = 0\n", 1);
+  CHECK(e.experts.kernel == Experts::GroupedKernel::portable);
+  CHECK(e.experts.decode_rows == 0);
   CHECK(d.model.experts == 8);
   CHECK(d.model.top_k == 2);
   CHECK(d.exchange.algorithm == Exchange::Algorithm::flat);
@@ -85,6 +90,8 @@ TEST_CASE("errors name file, line, column and key", "[deck]") {
   KMOE_DECK_ERROR("[run]\nchunks = 4\n", 1, "key 'run.chunks': = 4 needs a chunked schedule (run.schedule is 'serial'");
   KMOE_DECK_ERROR("[run]\nschedule = \"chunked\"\nchunks = 0\n", 1, "key 'run.chunks'");
   KMOE_DECK_ERROR("[experts]\nrunner = \"padded\"\nalignment = 2147483647\n", 1, "key 'experts.alignment': = 2147483647 is out of range");
+  KMOE_DECK_ERROR("[experts]\ndecode_rows = 9\n", 1, "d.toml:2:15: key 'experts.decode_rows': = 9 is out of range");
+  KMOE_DECK_ERROR("[experts]\nkernel = \"cuda\"\n", 1, "key 'experts.kernel': 'cuda' is not one of 'auto' 'host_simd' 'portable' 'vendor'");
   // A user's string is shown shortened.
   KMOE_DECK_ERROR("[exchange]\nalgorithm = \"" + std::string(5000, 'x') + "\"\n", 1, "... (5000 characters)' is not one of");
 }

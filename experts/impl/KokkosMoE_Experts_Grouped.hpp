@@ -86,7 +86,12 @@ struct HostGroupedPhase {
   using member_type = typename policy_type::member_type;
   using out_value = typename Out::non_const_value_type;
   using weight_value = typename W::non_const_value_type;
+  using in_value = typename In::non_const_value_type;
   static constexpr bool bf16_weights = std::is_same<weight_value, bf16_t>::value;
+  /// bf16 rows times bf16 weights (phase 1 of a bf16 layer): the pair
+  /// dot-product kernels where the table has them.
+  static constexpr bool dp_types = Phase == 1 && bf16_weights && std::is_same<in_value, bf16_t>::value;
+  bool use_dp() const { return dp_types && table.dp[1] != nullptr; }
 
   // User-provided: see ExpertWeights() on GCC 12 and View members.
   HostGroupedPhase() {}
@@ -151,6 +156,14 @@ struct HostGroupedPhase {
     float* const tail = xt + xt_bytes() / sizeof(float);
     float* const acc = tail + tail_bytes() / sizeof(float);
 
+    std::size_t const q = static_cast<std::size_t>(t.slot);
+    long const ldw = K;
+    if constexpr (dp_types) {
+      if (use_dp()) {
+        dp_tile(t, mv, c_begin, c_end, xt, tail, acc);
+        return;
+      }
+    }
     // Row tile, transposed: xt[k * R + i], zero for i >= rows.
     for (int i = 0; i < R; ++i) {
       if (i < rows) {
@@ -160,8 +173,6 @@ struct HostGroupedPhase {
         for (int k = 0; k < K; ++k) xt[static_cast<std::size_t>(k) * R + i] = 0.0f;
       }
     }
-    std::size_t const q = static_cast<std::size_t>(t.slot);
-    long const ldw = K;
     for (int c0 = c_begin; c0 < c_end; c0 += P) {
       int const nc = Compat::min(P, c_end - c0);
       bool in_place = false;
@@ -189,14 +200,55 @@ struct HostGroupedPhase {
         }
         table.f32[mv](K, xt, tail, tail + static_cast<std::size_t>(h) * K, ldw, acc);
       }
-      for (int i = 0; i < rows; ++i) {
-        auto* dst = &out(t.row0 + i, c0);
-        if (Phase == 1) {
-          for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(silu(acc[j * R + i]) * acc[(P + j) * R + i]);
-        } else {
-          for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(acc[j * R + i]);
-        }
+      store(t, c0, nc, R, P, acc);
+    }
+  }
+
+  /// Rows of the tile from the micro-kernel's acc (phase 1: SiLU(gate) * up).
+  void store(Tile const& t, int c0, int nc, int R, int P, float const* acc) const {
+    for (int i = 0; i < static_cast<int>(t.rows); ++i) {
+      auto* dst = &out(t.row0 + i, c0);
+      if (Phase == 1) {
+        for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(silu(acc[j * R + i]) * acc[(P + j) * R + i]);
+      } else {
+        for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(acc[j * R + i]);
       }
+    }
+  }
+
+  /// Phase 1 of bf16 rows and weights with the pair dot-product kernel: the
+  /// row tile as pairs xt2[p * R + i] (zero beyond the tile's rows), the
+  /// gate/up rows read in place as bf16 (the tensor's last columns copied
+  /// as bf16, the last one repeated).
+  void dp_tile(Tile const& t, int mv, int c_begin, int c_end, float* xt, float* tail, float* acc) const {
+    int const rows = static_cast<int>(t.rows);
+    int const R = mv * table.vector_length;
+    int const nrw = table.nrw[mv], h = nrw / 2, P = cols_per_step(mv);
+    int const Kp = (K + 1) / 2;
+    auto* const xt2 = reinterpret_cast<std::uint32_t*>(xt);
+    for (int i = 0; i < R; ++i) {
+      std::uint16_t const* src = i < rows ? host_weight_ptr(&in(t.row0 + i, 0)) : nullptr;
+      for (int p = 0; p < Kp; ++p) {
+        std::uint32_t v = 0;
+        if (src) v = 2 * p + 1 < K ? (std::uint32_t(src[2 * p + 1]) << 16 | src[2 * p]) : std::uint32_t(src[2 * p]);
+        xt2[static_cast<std::size_t>(p) * R + i] = v;
+      }
+    }
+    std::size_t const q = static_cast<std::size_t>(t.slot);
+    auto* const panel = reinterpret_cast<std::uint16_t*>(tail);
+    for (int c0 = c_begin; c0 < c_end; c0 += P) {
+      int const nc = Compat::min(P, c_end - c0);
+      if (c0 + P <= N) {
+        table.dp[mv](K, xt2, host_weight_ptr(&w0(q, c0, 0)), host_weight_ptr(&w1(q, c0, 0)), K, acc);
+      } else {
+        for (int j = 0; j < nrw; ++j) {
+          int const col = c0 + Compat::min(j < h ? j : j - h, nc - 1);
+          std::uint16_t const* src = host_weight_ptr(j < h ? &w0(q, col, 0) : &w1(q, col, 0));
+          for (int k = 0; k < K; ++k) panel[static_cast<std::size_t>(j) * K + k] = src[k];
+        }
+        table.dp[mv](K, xt2, panel, panel + static_cast<std::size_t>(h) * K, K, acc);
+      }
+      store(t, c0, nc, R, P, acc);
     }
   }
 };
@@ -223,13 +275,44 @@ void host_decode_tile(HostGroupedPhase<ExecutionSpace, In, W, Out, Phase> const&
   float* const xs = reinterpret_cast<float*>((raw + phase_t::align - 1) / phase_t::align * phase_t::align);
   float* const tail = xs + p.xt_bytes() / sizeof(float);
   float* const acc = tail + p.tail_bytes() / sizeof(float);
+  std::size_t const q = static_cast<std::size_t>(t.slot);
+  long const ld = K;
+  if constexpr (phase_t::dp_types) {
+    if (p.use_dp()) {
+      // bf16 rows in place, bf16 weights as pairs (the last columns copied).
+      std::uint16_t const* x = host_weight_ptr(&p.in(t.row0, 0));
+      long const ldx = static_cast<long>(p.in.stride(0));
+      auto* const panel = reinterpret_cast<std::uint16_t*>(tail);
+      float* const a = acc;
+      float* const b = acc + static_cast<std::size_t>(rows) * VL;
+      auto block = [&](W const& w, int c0, int nc, float* o) {
+        if (nc == VL) {
+          p.table.decode_dp[rows](K, x, ldx, host_weight_ptr(&w(q, c0, 0)), ld, o);
+          return;
+        }
+        for (int j = 0; j < VL; ++j) {
+          std::uint16_t const* src = host_weight_ptr(&w(q, c0 + Compat::min(j, nc - 1), 0));
+          for (int k = 0; k < K; ++k) panel[static_cast<std::size_t>(j) * K + k] = src[k];
+        }
+        p.table.decode_dp[rows](K, x, ldx, panel, ld, o);
+      };
+      for (int c0 = c_begin; c0 < c_end; c0 += VL) {
+        int const nc = Compat::min(VL, c_end - c0);
+        block(p.w0, c0, nc, a);
+        block(p.w1, c0, nc, b);
+        for (int i = 0; i < rows; ++i) {
+          auto* dst = &p.out(t.row0 + i, c0);
+          for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(silu(a[i * VL + j]) * b[i * VL + j]);
+        }
+      }
+      return;
+    }
+  }
   // The tile's rows as FP32, [rows][K].
   for (int i = 0; i < rows; ++i) {
     auto const* src = &p.in(t.row0 + i, 0);
     for (int k = 0; k < K; ++k) xs[static_cast<std::size_t>(i) * K + k] = to_float(src[k]);
   }
-  std::size_t const q = static_cast<std::size_t>(t.slot);
-  long const ld = K;
   // Weight rows [c0, c0 + VL) of w (in place, or the valid ones copied as
   // FP32 with the last one repeated) through the decode kernel into out.
   auto block = [&](typename phase_t::weight_value const* w, int nc, float* out) {

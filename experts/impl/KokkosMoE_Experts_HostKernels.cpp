@@ -12,7 +12,7 @@ namespace Impl {
 
 namespace {
 
-bool cpu_has_avx512() {
+[[maybe_unused]] bool cpu_has_avx512() {
 #if defined(KOKKOSMOE_EXPERTS_BUILD_AVX512) && (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
@@ -22,7 +22,16 @@ bool cpu_has_avx512() {
 #endif
 }
 
-bool cpu_has_avx2() {
+[[maybe_unused]] bool cpu_has_avx512bf16() {
+#if defined(KOKKOSMOE_EXPERTS_BUILD_AVX512BF16) && (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+[[maybe_unused]] bool cpu_has_avx2() {
 #if defined(KOKKOSMOE_EXPERTS_BUILD_AVX2) && (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -43,6 +52,9 @@ struct Tables {
 #if defined(KOKKOSMOE_EXPERTS_BUILD_AVX512)
     have_avx512 = cpu_has_avx512();
     if (have_avx512) fill_host_kernels_avx512(avx512);
+#endif
+#if defined(KOKKOSMOE_EXPERTS_BUILD_AVX512BF16)
+    if (have_avx512 && cpu_has_avx512bf16()) fill_host_kernels_avx512bf16(avx512);
 #endif
   }
 };

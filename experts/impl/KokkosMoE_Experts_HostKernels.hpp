@@ -45,6 +45,17 @@ using HostMicroKernelF32 = void (*)(int K, float const* xt, float const* w0, flo
 using HostDecodeKernelF32 = void (*)(int K, float const* x, long ldx, float const* w, long ldw, float* out);
 using HostDecodeKernelBF16 = void (*)(int K, float const* x, long ldx, std::uint16_t const* w, long ldw, float* out);
 
+/// \brief bf16 rows times bf16 weights with bf16 pair dot products
+/// (AVX512-BF16 vdpbf16ps), FP32 accumulation: every output adds, pair by
+/// pair in increasing k, w[2p] x[2p] + w[2p+1] x[2p+1] as the instruction
+/// does (an odd K ends with the pair (w[K-1], 0)). The tiled form takes the
+/// row tile as pairs xt2[p * R + i] = (x_i[2p], x_i[2p+1]); the decode form
+/// reads bf16 rows x_i = x + i * ldx in place. Both give the same bits for a
+/// row.
+using HostMicroKernelDP = void (*)(int K, std::uint32_t const* xt2, std::uint16_t const* w0, std::uint16_t const* w1,
+                                   long ldw, float* acc);
+using HostDecodeKernelDP = void (*)(int K, std::uint16_t const* x, long ldx, std::uint16_t const* w, long ldw, float* out);
+
 /// \brief The micro-kernels of one instruction set.
 struct HostKernelTable {
   char const* isa = "none";                    ///< "avx512", "avx2" or "generic"
@@ -54,11 +65,17 @@ struct HostKernelTable {
   int nrw[host_max_vectors + 1] = {};          ///< weight rows of f32[mv] (always even)
   HostDecodeKernelF32 decode_f32[host_decode_max_rows + 1] = {};    ///< decode_f32[R], R in [1, host_decode_max_rows]
   HostDecodeKernelBF16 decode_bf16[host_decode_max_rows + 1] = {};  ///< decode_bf16[R]
+  /// bf16 x bf16 dot-product kernels (null where the CPU lacks AVX512-BF16):
+  /// dp[mv] with nrw[mv] weight rows, decode_dp[R].
+  HostMicroKernelDP dp[host_max_vectors + 1] = {};
+  HostDecodeKernelDP decode_dp[host_decode_max_rows + 1] = {};
 };
 
 /// \brief Fills a table with one instruction set's kernels (defined in the
 /// unit compiled for it; absent from builds without that unit).
 void fill_host_kernels_avx512(HostKernelTable& table);
+/// \brief Adds the AVX512-BF16 dot-product kernels to an AVX-512 table.
+void fill_host_kernels_avx512bf16(HostKernelTable& table);
 void fill_host_kernels_avx2(HostKernelTable& table);
 void fill_host_kernels_generic(HostKernelTable& table);
 

@@ -39,6 +39,7 @@
 #if defined(KOKKOSMOE_HAVE_CUBLAS) && defined(KOKKOS_ENABLE_CUDA)
 #include <cublas_v2.h>
 
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -83,21 +84,23 @@ void grouped_gemm(cublasHandle_t h, Kokkos::Cuda const& exec, GroupedProblems co
                   cudaDataType_t c_type, Workspace<MS>& ws, char const* label) {
   int const g = p.count();
   if (g == 0) return;
-  // Pointer arrays: [A... | B... | C...] in one device buffer.
-  auto ptrs = ws.template vector<void*>(exec, label, 3 * static_cast<index_t>(g));
+  // Pointer arrays: [A... | B... | C...] in one device buffer (as integers:
+  // a View of void* would read as a rank-2 view of void).
+  auto ptrs = ws.template vector<std::uintptr_t>(exec, label, 3 * static_cast<index_t>(g));
   auto host = Kokkos::create_mirror_view(ptrs);
   for (int i = 0; i < g; ++i) {
-    host(i) = const_cast<void*>(p.a[static_cast<std::size_t>(i)]);
-    host(g + i) = const_cast<void*>(p.b[static_cast<std::size_t>(i)]);
-    host(2 * g + i) = p.c[static_cast<std::size_t>(i)];
+    host(i) = reinterpret_cast<std::uintptr_t>(p.a[static_cast<std::size_t>(i)]);
+    host(g + i) = reinterpret_cast<std::uintptr_t>(p.b[static_cast<std::size_t>(i)]);
+    host(2 * g + i) = reinterpret_cast<std::uintptr_t>(p.c[static_cast<std::size_t>(i)]);
   }
   Kokkos::deep_copy(exec, ptrs, host);
+  auto const* arrays = reinterpret_cast<void* const*>(ptrs.data());
   Compat::ScopedRegion region(label);
   cublas_check(cublasGemmGroupedBatchedEx(h, p.ta.data(), p.tb.data(), p.m.data(), p.n.data(), p.k.data(), p.alpha.data(),
-                                          const_cast<void const* const*>(ptrs.data()), ab_type, p.lda.data(),
-                                          const_cast<void const* const*>(ptrs.data() + g), ab_type, p.ldb.data(),
-                                          p.beta.data(), ptrs.data() + 2 * g, c_type, p.ldc.data(), g, p.size.data(),
-                                          CUBLAS_COMPUTE_32F),
+                                          const_cast<void const* const*>(arrays), ab_type, p.lda.data(),
+                                          const_cast<void const* const*>(arrays + g), ab_type, p.ldb.data(),
+                                          p.beta.data(), const_cast<void* const*>(arrays + 2 * g), c_type, p.ldc.data(), g,
+                                          p.size.data(), CUBLAS_COMPUTE_32F),
                "cublasGemmGroupedBatchedEx");
   // The host arrays above are read when the call is enqueued; the mirror of
   // the pointers must outlive the copy, which deep_copy from pageable

@@ -349,6 +349,7 @@ void parse_experts(Reader& r, LayerDeck& d) {
   d.experts.block_size = r.integer("experts.block_size", 128, 1, rows_limit);
   d.experts.gemm = r.option("experts.gemm", GemmPath::automatic);
   d.experts.kernel = r.option("experts.kernel", Experts::GroupedKernel::automatic);
+  d.experts.decode_rows = static_cast<int>(r.integer("experts.decode_rows", -1, -1, Experts::max_decode_rows));
   d.experts.weights = r.string("experts.weights", "");
   d.experts.save_weights = r.string("experts.save_weights", "");
   for (double s : r.reals("experts.scales", -huge, huge)) d.experts.scales.push_back(static_cast<float>(s));
@@ -460,7 +461,7 @@ std::string LayerDeck::resolved() const {
      << "\nwaves = " << exchange.waves << "\nsender_cf = " << exchange.sender_cf << "\nreceiver_cf = " << exchange.receiver_cf << "\n";
   os << "\n[experts]\nrunner = " << quoted(to_string(experts.runner)) << "\ncapacity = " << experts.capacity << "\nalignment = " << experts.alignment
      << "\nblock_size = " << experts.block_size << "\ngemm = " << quoted(to_string(experts.gemm))
-     << "\nkernel = " << quoted(to_string(experts.kernel)) << "\nweights = " << quoted(experts.weights)
+     << "\nkernel = " << quoted(to_string(experts.kernel)) << "\ndecode_rows = " << experts.decode_rows << "\nweights = " << quoted(experts.weights)
      << "\nsave_weights = " << quoted(experts.save_weights) << "\nscales = " << toml_list_of(experts.scales) << "\n";
   if (simulate.ranks > 0) os << "\n[simulate]\nranks = " << simulate.ranks << "\n";
   return os.str();

@@ -132,6 +132,7 @@ struct LayerDeck {
     index_t block_size = 128;
     GemmPath gemm = GemmPath::automatic;
     KokkosMoE::Experts::GroupedKernel kernel = KokkosMoE::Experts::GroupedKernel::automatic;  ///< grouped and block runners
+    int decode_rows = -1;  ///< host decode kernel up to this many rows per tile (-1: library default, 0: never)
     std::string weights;       ///< HDF5 file to load ("" random from the seed)
     std::string save_weights;  ///< HDF5 file to write after initialisation ("" none)
     std::vector<float> scales; ///< scalar runner: scale of every logical expert

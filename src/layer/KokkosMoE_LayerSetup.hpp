@@ -134,6 +134,7 @@ inline LayerConfig layer_config(LayerDeck const& d, Placement const& placement) 
   c.runner.block_size = d.experts.block_size;
   c.runner.gemm_path = d.experts.gemm;
   c.runner.grouped_kernel = d.experts.kernel;
+  c.runner.decode_rows = d.experts.decode_rows;
   c.shared_runner = c.runner;
   if (c.shared_runner.kind == Experts::RunnerKind::scalar || c.shared_runner.kind == Experts::RunnerKind::padded ||
       c.shared_runner.kind == Experts::RunnerKind::block)

@@ -298,7 +298,7 @@ struct RouterSelectTeam : RouterSelect<MemorySpace, K> {
   int tokens_per_team = 1;
 
   /// Team scratch bytes per token.
-  static constexpr std::size_t bytes_per_token() {
+  KOKKOS_INLINE_FUNCTION static constexpr std::size_t bytes_per_token() {
     return sizeof(std::uint64_t) * lanes * K + sizeof(int) * lanes + sizeof(float) * partials;
   }
 
