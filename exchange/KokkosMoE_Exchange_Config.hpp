@@ -51,6 +51,11 @@ struct TransportOptions {
   /// Seconds a rank waits for its peers before reporting which ones are
   /// missing and failing the call (0: wait forever).
   double watchdog_seconds = 300.0;
+  /// Check that the send rows of a started transfer are unchanged when it
+  /// completes (digests at the start and at the finish): a send buffer
+  /// refilled while MPI may still read it becomes an error instead of
+  /// silently wrong rows. Costs a pass over the rows; off by default.
+  bool verify_send_rows = false;
 };
 
 /// \brief Configuration of one exchange (any algorithm).
@@ -60,6 +65,7 @@ struct ExchangeConfig {
   PayloadType payload = PayloadType::bf16;         ///< dispatch rows on the wire
   PayloadType return_payload = PayloadType::bf16;  ///< combine rows on the wire
   double watchdog_seconds = 300.0;                 ///< see TransportOptions
+  bool verify_send_rows = false;                   ///< see TransportOptions
   // Pooled-wave static shape (A = tokens_per_rank * top_k routes per rank).
   int waves = 1;                 ///< W
   double sender_cf = 1.25;       ///< sender pool rows ceil(sender_cf * A / P / W)
@@ -67,7 +73,7 @@ struct ExchangeConfig {
   index_t tokens_per_rank = 0;   ///< the largest token count of any rank
   int top_k = 1;
 
-  TransportOptions transport_options() const { return TransportOptions{watchdog_seconds}; }
+  TransportOptions transport_options() const { return TransportOptions{watchdog_seconds, verify_send_rows}; }
 };
 
 }  // namespace Exchange

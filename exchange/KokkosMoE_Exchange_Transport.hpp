@@ -13,6 +13,7 @@
 /// the peers still missing instead of hanging silently.
 
 #include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Digest.hpp>
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Exchange_Config.hpp>
 #include <KokkosMoE_PayloadBuffer.hpp>
@@ -116,6 +117,20 @@ void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending)
 void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending, char const* what,
               TransportOptions const& options);
 
+/// Digest of the rows a rank sends to its peers (every segment but its own)
+/// of a [rows, bytes] buffer, in peer order (host copy for device memory).
+template <class MS>
+std::uint64_t sent_rows_digest(Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS> const& send,
+                               std::vector<index_t> const& soff, int me) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), send);
+  std::size_t const rb = send.extent(1);
+  std::uint64_t d = 0x9E3779B97F4A7C15ULL;
+  for (std::size_t p = 0; p + 1 < soff.size(); ++p)
+    if (static_cast<int>(p) != me)
+      d = digest_bytes(h.data() + static_cast<std::size_t>(soff[p]) * rb, static_cast<std::size_t>(soff[p + 1] - soff[p]) * rb, d);
+  return d;
+}
+
 /// Posts receives and sends of raw rows for one buffer pair (host-visible
 /// pointers), appending to pending. Self rows are not posted.
 void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
@@ -177,8 +192,18 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     auto state = std::make_shared<std::vector<Impl::Pending>>(std::move(pending));
     Topology::Communicator const* c = &comm;
     std::string const label = what;
+    std::vector<std::uint64_t> digests;
+    if (options.verify_send_rows)
+      for (auto const& s : sets) digests.push_back(Impl::sent_rows_digest(s.send, soff, me));
     return RowsInFlight([state, c] { Impl::test_all(*c, *state); },
-                        [state, c, sets, label, options] { Impl::wait_all(*c, *state, label.c_str(), options); });
+                        [state, c, sets, label, options, digests, soff, me] {
+                          Impl::wait_all(*c, *state, label.c_str(), options);
+                          for (std::size_t i = 0; i < digests.size(); ++i)
+                            KOKKOSMOE_REQUIRE(Impl::sent_rows_digest(sets[i].send, soff, me) == digests[i],
+                                              label << ": the send rows (buffer " << i << " of " << sets.size()
+                                                    << ") changed while the transfer was in flight: a send buffer was "
+                                                       "reused before its transfer completed");
+                        });
   }
   // Host staging: copy send rows out, receive into host rows, copy back.
   std::vector<typename Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>::HostMirror> hs, hr;

@@ -715,3 +715,44 @@ TEST_CASE("pooled-wave: narrow rows take several header rows; huge factors satur
     CHECK(untimed(rp.ledger) == untimed(planned[static_cast<std::size_t>(rank)]));
   }
 }
+
+TEST_CASE("a send buffer reused before its transfer completed is caught when send rows are verified", "[exchange][fault]") {
+  // A started transfer over MPI reads its send rows until it finishes. With
+  // verify_send_rows, refilling the send buffer meanwhile (the injected
+  // fault) fails the finish on every rank that sends to a peer, naming the
+  // transfer; an untouched buffer passes, and without verification the
+  // rows simply move.
+  int const size = world_size();
+  auto topo = nodes_of(1);
+  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  auto const& ep = comms.ep();
+  Exec exec;
+  int const P = ep.size();
+  index_t const per_peer = 3;
+  int const width = 16;
+  std::vector<index_t> counts(static_cast<std::size_t>(P), per_peer);
+  using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>;
+  rows_view send("send", P * per_peer, width), recv("recv", P * per_peer, width);
+  Kokkos::deep_copy(send, static_cast<unsigned char>(1 + ep.my_slot()));
+  std::vector<RowSet<MS>> const sets{RowSet<MS>{send, recv}};
+  MpiTransport<Exec, MS> mpi;
+  TransportOptions verify;
+  verify.watchdog_seconds = 60;
+  verify.verify_send_rows = true;
+  {
+    auto flight = mpi.start_alltoallv(exec, ep, sets, counts, counts, "verified rows", verify);
+    CHECK_NOTHROW(flight.finish());
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recv);
+    for (int p = 0; p < P; ++p) CHECK(h(p * per_peer, 0) == static_cast<unsigned char>(1 + p));
+  }
+  {
+    auto flight = mpi.start_alltoallv(exec, ep, sets, counts, counts, "reused rows", verify);
+    Kokkos::deep_copy(send, static_cast<unsigned char>(200));  // the fault: refilled while in flight
+    if (size > 1)
+      CHECK_THROWS_WITH(flight.finish(), Catch::Matchers::Contains("reused rows: the send rows (buffer 0 of 1) changed while the "
+                                                                   "transfer was in flight"));
+    else
+      CHECK_NOTHROW(flight.finish());  // one rank sends nothing to a peer
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}

@@ -272,3 +272,41 @@ TEST_CASE("a step graph without a completion dependency is rejected before anyth
   RowMatrix<float, MS> out("out", T, deck.model.hidden);
   CHECK_NOTHROW(ok.forward(exec, hidden, out));
 }
+
+TEST_CASE("a missing completion dependency executed anyway meets the run-time guards on every rank", "[layer][schedule][errors]") {
+  // The same faults with the graph's hazard check switched off (test hook):
+  // the expert refuses rows whose dispatch has not finished, the reduce a
+  // combine still in flight. Every rank fails with the message, nothing is
+  // left in flight, and the next step works. (A combine issued without
+  // waiting for its expert cannot happen at run time: tasks are issued in
+  // graph order and an expert finishes when it is issued.)
+  int const size = kmoe_test::world_size();
+  int const rank = kmoe_test::world_rank();
+  LayerParts parts("flat", size, rank);
+  auto const& deck = parts.deck;
+  Exec exec;
+  auto shared = Setup::shared_weights<float, MS>(exec, deck);
+  index_t const T = deck.tokens.per_rank;
+  auto hidden = Setup::hidden_rows<float, MS>(deck, 0, rank * T, T, rank);
+  struct Fault {
+    char const* task;
+    char const* after;
+    char const* message;
+  };
+  for (Fault const f : {Fault{"expert 1", "dispatch 1", "the experts would read the rows of a dispatch that has not finished"},
+                        Fault{"reduce", "combine 1", "MoE layer reduce: the combine of part 1 has not finished"}}) {
+    INFO(f.task << " without " << f.after << ", executed unchecked");
+    auto config = parts.setup.config;
+    config.schedule.kind = ScheduleKind::chunked_shared_overlap;
+    config.schedule.chunks = 2;
+    config.schedule.omit_task = f.task;
+    config.schedule.omit_after = f.after;
+    config.schedule.unchecked = true;
+    MoELayer<float, Exec, MS> layer(config, *parts.setup.comms, parts.setup.placement, parts.router_weight, parts.routed, shared);
+    RowMatrix<float, MS> out("out", T, deck.model.hidden);
+    CHECK_THROWS_WITH(layer.forward(exec, hidden, out), Catch::Matchers::Contains(f.message));
+  }
+  MoELayer<float, Exec, MS> ok(parts.setup.config, *parts.setup.comms, parts.setup.placement, parts.router_weight, parts.routed, shared);
+  RowMatrix<float, MS> out("out", T, deck.model.hidden);
+  CHECK_NOTHROW(ok.forward(exec, hidden, out));
+}

@@ -120,6 +120,7 @@ struct LayerDeck {
     KokkosMoE::Exchange::Algorithm algorithm = KokkosMoE::Exchange::Algorithm::flat;
     KokkosMoE::Exchange::TransportKind transport = KokkosMoE::Exchange::TransportKind::mpi;
     double watchdog_seconds = 300.0;
+    bool verify_send_rows = false;  ///< check started transfers' send rows at completion
     int waves = 1;
     double sender_cf = 1.25;
     double receiver_cf = 1.5;

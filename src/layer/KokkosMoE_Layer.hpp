@@ -316,7 +316,7 @@ class MoELayer {
         KOKKOSMOE_THROW("MoE layer: no body for task '" << name << "' of the " << graph.name());
       }
     }
-    auto const times = graph.execute(bodies);
+    auto const times = graph.execute(bodies, !sc.unchecked);
     rec.tasks.clear();
     for (int i = 0; i < graph.size(); ++i)
       rec.tasks.push_back({graph.task(i).name, graph.task(i).stream, times[static_cast<std::size_t>(i)].start,

@@ -108,6 +108,7 @@ inline Exchange::ExchangeConfig exchange_config(LayerDeck const& d) {
   c.payload = d.model.payload;
   c.return_payload = d.model.return_payload;
   c.watchdog_seconds = d.exchange.watchdog_seconds;
+  c.verify_send_rows = d.exchange.verify_send_rows;
   c.waves = d.exchange.waves;
   c.sender_cf = d.exchange.sender_cf;
   c.receiver_cf = d.exchange.receiver_cf;
