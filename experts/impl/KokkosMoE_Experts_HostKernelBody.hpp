@@ -125,8 +125,38 @@ void decode(int K, float const* __restrict x, long ldx, W const* __restrict w, l
   vfloat acc[R];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i] = vfloat{};
-  int const kb = K / VL * VL;
-  for (int k0 = 0; k0 < kb; k0 += VL) {
+  int k0 = 0;
+  if constexpr (sizeof(W) == 2) {
+    // bf16 weights: blocks of VL rows x 2 VL elements moved as 32-bit pairs
+    // (one transpose for twice the k of an FP32 block), each pair split
+    // into its two floats by a shift and a mask; k stays in order.
+    typedef std::uint32_t vu32 __attribute__((vector_size(VL * 4)));
+    for (; k0 + 2 * VL <= K; k0 += 2 * VL) {
+      vfloat t[VL];
+#pragma GCC unroll 16
+      for (int j = 0; j < VL; ++j) {
+        W const* row = w + j * ldw + k0;
+        __builtin_prefetch(row + 16 * VL);
+        std::memcpy(&t[j], row, sizeof(vfloat));
+      }
+      transpose_stage<VL / 2>(t);
+#pragma GCC unroll 16
+      for (int pp = 0; pp < VL; ++pp) {
+        vu32 u;
+        std::memcpy(&u, &t[pp], sizeof u);
+        vu32 const lo = u << 16, hi = u & 0xFFFF0000u;
+        vfloat even, odd;
+        std::memcpy(&even, &lo, sizeof even);
+        std::memcpy(&odd, &hi, sizeof odd);
+        int const k = k0 + 2 * pp;
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) acc[i] += even * splat(x[i * ldx + k]);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) acc[i] += odd * splat(x[i * ldx + k + 1]);
+      }
+    }
+  }
+  for (; k0 + VL <= K; k0 += VL) {
     vfloat t[VL];
 #pragma GCC unroll 16
     for (int j = 0; j < VL; ++j) {
@@ -140,7 +170,7 @@ void decode(int K, float const* __restrict x, long ldx, W const* __restrict w, l
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[i] += t[kk] * splat(x[i * ldx + k0 + kk]);
   }
-  for (int k = kb; k < K; ++k) {
+  for (int k = k0; k < K; ++k) {
     float col[VL];
     for (int j = 0; j < VL; ++j) col[j] = load_weight(w + j * ldw + k);
     vfloat const t = load_row(col);
