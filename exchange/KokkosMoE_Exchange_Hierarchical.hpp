@@ -18,8 +18,20 @@
 /// relay_to_relay -> relay_scatter -> restore_flat_order (arrival metadata,
 /// repack, expert rows gathered straight from the final buffer).
 /// combine = uncanonical -> reverse_scatter -> reverse_relay -> reverse_gather.
-/// The start forms post the last stage and return (dispatch_start before
-/// restore_flat_order, combine_start before the final unpermute).
+///
+/// Relays copy no transit row: every source orders the rows it sends its
+/// relay by (destination node, destination's node-local slot), so at the
+/// relay each source's rows for one node form one run and, at the
+/// destination relay, each origin's rows for one final rank; stages 2 and 3
+/// send those runs in place (RowRuns: one contiguous message per run, the
+/// receivers told the run lengths first), and the reverse stages receive into them in place.
+/// The start forms post the relay-to-relay stage (the inter-node one) and
+/// return: dispatch_start runs stage 1 and posts stage 2, dispatch_finish
+/// waits for it, runs stage 3 and restores the flat order; combine_start
+/// runs the reverse of stage 3 and posts the reverse of stage 2,
+/// combine_finish waits for it and runs the reverse of stage 1. In a chunked
+/// layer step the relay stages stream: stage 2 of chunk i is in flight while
+/// stage 1 of chunk i+1 and stage 3 of chunk i-1 run.
 
 #include <KokkosMoE_CountingSort.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
@@ -46,14 +58,24 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     StageRecord<MS> s1, s2, s3;
     index_t kept = 0;           ///< stage-1 rows that stayed at this rank (relays)
     index_view canonical_from;  ///< arrival position -> position in the final buffer
+    RowRuns s2_runs;            ///< stage-2 rows of each relay peer, as runs of the stage-1 arrivals
+    RowRuns s2_recv_runs;       ///< where stage-2 rows arrived, run by run (consecutive)
+    RowRuns s3_runs;            ///< stage-3 rows of each node peer, as runs of the stage-2 arrivals
+    RowRuns s3_recv_runs;       ///< where stage-3 rows arrived after the kept rows, run by run (consecutive)
+    std::vector<std::pair<index_t, index_t>> kept_runs;  ///< runs of the stage-1 arrivals kept here
   };
 
   /// \brief What a dispatch in flight keeps until dispatch_finish.
   struct Flight {
     PayloadBuffer<MS> r1;
     meta_view r1_meta;
-    PayloadBuffer<MS> r3;
-    meta_view r3_meta;
+    PayloadBuffer<MS> r2;  ///< stage-2 arrivals (relays), written when the flight finishes
+    meta_view r2_meta;
+  };
+  /// \brief What a combine in flight keeps until combine_finish.
+  struct CombineFlight {
+    PayloadBuffer<MS> fin;      ///< expert outputs in the final buffer's order
+    PayloadBuffer<MS> s2_back;  ///< reverse stage-2 arrivals, written when the flight finishes
   };
 
   HierarchicalExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},
@@ -66,8 +88,16 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       node_slot[r] = comms.node_local().slot_of(r);
       ep_slot[r] = comms.ep().slot_of(r);
     }
+    // Every rank's slot in its own node's node-local peer order (the sub-key
+    // that keeps rows for one destination together on their way).
+    std::vector<int> group_slot(static_cast<std::size_t>(N), -1);
+    for (auto const& g : comms.layout().node_groups) {
+      max_node_ = std::max(max_node_, static_cast<int>(g.size()));
+      for (std::size_t i = 0; i < g.size(); ++i) group_slot[static_cast<std::size_t>(g[i])] = static_cast<int>(i);
+    }
     node_of_ = Impl::device_vector<MS>(this->node_of_rank_, "KokkosMoE::HierarchicalExchange::node_of");
     node_slot_ = Impl::device_vector<MS>(node_slot, "KokkosMoE::HierarchicalExchange::node_slot");
+    group_slot_ = Impl::device_vector<MS>(group_slot, "KokkosMoE::HierarchicalExchange::group_slot");
     ep_slot_ = Impl::device_vector<MS>(ep_slot, "KokkosMoE::HierarchicalExchange::ep_slot");
     my_node_ = topo.node_of(this->me_);
     my_relay_ = Topology::relay_for(topo, comms.layout(), this->me_, my_node_);
@@ -85,8 +115,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     return h;
   }
 
-  /// \brief Stages 1 and 2, and stage 3 posted: the handle is in flight
-  /// until dispatch_finish (the relay scatter's rows still moving).
+  /// \brief Stage 1, and stage 2 posted: the handle is in flight until
+  /// dispatch_finish (the relay-to-relay rows still moving).
   template <class T>
   DispatchHandle<T, MS> dispatch_start(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
                                        RowMatrix<T, MS> const& hidden, int wave = 0) {
@@ -107,31 +137,31 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
           "hierarchical dispatch", this->config_.watchdog_seconds);
     State st;
     auto [r1, r1_meta] = gather_to_relay(exec, st, routes, plan, hidden, meta, h.ledger, lap);
-    auto [r2, r2_meta] = relay_to_relay(exec, st, r1, r1_meta, h.ledger, lap);
     Flight f{r1, r1_meta, {}, {}};
-    std::tie(f.r3, f.r3_meta) = relay_scatter(exec, st, r2, r2_meta, h.ledger, &h.flight);
-    h.ledger.dispatch.stages.back().seconds = lap();
+    std::tie(f.r2, f.r2_meta) = relay_to_relay(exec, st, r1, r1_meta, h.ledger, lap, &h.flight);
     h.state = std::move(st);
     h.pending = std::move(f);
     h.seconds = timer.seconds();
     return h;
   }
 
-  /// \brief Waits for the relay scatter and restores the flat arrival order;
-  /// the handle is then delivered.
+  /// \brief Waits for the relay-to-relay rows, runs the relay scatter and
+  /// restores the flat arrival order; the handle is then delivered.
   template <class T>
   void dispatch_finish(Exec const& exec, DispatchHandle<T, MS>& h) {
     Kokkos::Timer timer;
     KOKKOSMOE_REQUIRE(!h.delivered && h.pending.has_value(), "hierarchical dispatch_finish: the handle is not a dispatch in flight");
+    Impl::Lap<Exec> lap(exec);
     h.flight.finish();
     auto const f = std::any_cast<Flight>(h.pending);
     h.pending.reset();
     State& st = std::any_cast<State&>(h.state);
-    restore_flat_order(exec, st, h, f.r1, f.r1_meta, f.r3, f.r3_meta);
+    h.ledger.dispatch.stages.back().seconds += lap();  // stage 2 completing
+    auto [r3, r3_meta] = relay_scatter(exec, st, f.r2, f.r2_meta, h.ledger);
+    restore_flat_order(exec, st, h, f.r1, f.r1_meta, r3, r3_meta);
     Compat::fence(exec, "KokkosMoE::HierarchicalExchange::dispatch");
-    double const finish = timer.seconds();
-    h.seconds += finish;
-    h.ledger.dispatch.stages.back().seconds += finish;  // scatter plus restoring the flat arrival order
+    h.ledger.dispatch.stages.back().seconds = lap();  // scatter plus restoring the flat arrival order
+    h.seconds += timer.seconds();
     h.ledger.dispatch.useful_rows = h.repack.rows();
     h.delivered = true;
   }
@@ -144,7 +174,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     combine_finish(exec, h);
   }
 
-  /// \brief The reverse stages 3 and 2, and the reverse of stage 1 posted;
+  /// \brief The reverse of stage 3, and the reverse of stage 2 posted;
   /// `returned` is written when combine_finish returns.
   template <class T>
   void combine_start(Exec const& exec, DispatchHandle<T, MS>& h, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& returned,
@@ -162,32 +192,32 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     h.ledger.combine.stages.clear();
     auto fin = uncanonical(exec, *st, h, expert_out);
     auto s2_in_back = reverse_scatter(exec, *st, fin, h.ledger, lap);
-    auto s2_back = reverse_relay(exec, *st, s2_in_back, h.ledger, lap);
-    h.pending = reverse_gather(exec, *st, fin, s2_back, h.ledger, &h.flight);
-    h.ledger.combine.stages.back().seconds = lap();
+    h.pending = CombineFlight{fin, reverse_relay(exec, *st, s2_in_back, h.ledger, lap, &h.flight)};
     h.ledger.combine.useful_rows = h.plan.rows();
     h.pending_returned = returned;
     h.seconds = timer.seconds();
   }
 
-  /// \brief Waits for the reverse of stage 1 and puts the rows into the
-  /// plan's send order in the return buffer.
+  /// \brief Waits for the reverse of stage 2, runs the reverse of stage 1
+  /// and puts the rows into the plan's send order in the return buffer.
   template <class T>
   void combine_finish(Exec const& exec, DispatchHandle<T, MS>& h) {
     Kokkos::Timer timer;
     KOKKOSMOE_REQUIRE(h.combine_started && !h.combined && h.pending.has_value(),
                       "hierarchical combine_finish: the handle is not a combine in flight");
+    Impl::Lap<Exec> lap(exec);
     h.flight.finish();
-    auto const s1_back = std::any_cast<PayloadBuffer<MS>>(h.pending);
+    auto const f = std::any_cast<CombineFlight>(h.pending);
     h.pending.reset();
     State const& st = std::any_cast<State const&>(h.state);
+    h.ledger.combine.stages.back().seconds += lap();  // reverse stage 2 completing
+    auto const s1_back = reverse_gather(exec, st, f.fin, f.s2_back, h.ledger);
     auto perm1 = st.s1.send_perm;
     scatter_rows(exec, s1_back, perm1, h.pending_returned, "KokkosMoE::HierarchicalExchange::unpermute1");
     h.pending_returned = {};
     Compat::fence(exec, "KokkosMoE::HierarchicalExchange::combine");
-    double const finish = timer.seconds();
-    h.seconds += finish;
-    h.ledger.combine.stages.back().seconds += finish;
+    h.ledger.combine.stages.back().seconds = lap();
+    h.seconds += timer.seconds();
     h.combined = true;
   }
 
@@ -209,15 +239,27 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     int const d = static_cast<int>(hidden.extent(1));
     auto node_of = node_of_;
     auto node_slot = node_slot_;
+    auto group_slot = group_slot_;
     int const my_node = my_node_;
     int const relay_slot = node.slot_of(my_relay_);
+    // Key: the node-local peer, then (destination node, its node-local slot),
+    // so that a relay finds each source's rows per node and per final rank
+    // in runs.
+    int const M = max_node_;
+    int const sub = this->comms_->topology().num_nodes() * M;
     auto key1 = this->work_.template vector<int>(exec, "key1", n0);
     Kokkos::parallel_for(
         "KokkosMoE::HierarchicalExchange::stage1_keys", Kokkos::RangePolicy<Exec>(exec, 0, n0), KOKKOS_LAMBDA(index_t p) {
           int const dst = meta(p).dest_rank;
-          key1(p) = node_of(dst) == my_node ? node_slot(dst) : relay_slot;
+          int const peer = node_of(dst) == my_node ? node_slot(dst) : relay_slot;
+          key1(p) = peer * sub + node_of(dst) * M + group_slot(dst);
         });
-    st.s1 = sort_stage(exec, key1, node.size(), "gather to relay + node-local direct");
+    st.s1 = sort_stage(exec, key1, node.size() * sub, "gather to relay + node-local direct");
+    {
+      std::vector<index_t> per_peer(static_cast<std::size_t>(node.size()), 0);
+      for (std::size_t k = 0; k < st.s1.send_counts.size(); ++k) per_peer[k / static_cast<std::size_t>(sub)] += st.s1.send_counts[k];
+      st.s1.send_counts = std::move(per_peer);
+    }
     st.s1.comm = 1;
     st.s1.input_rows = n0;
     // Send rows: position p holds the route at plan position perm1(p).
@@ -246,50 +288,72 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   }
 
   /// Stage 2 (relays only): transit rows to the destination node's relay of
-  /// this rail; rows for this rank stay (the last bucket of the sort).
+  /// this rail, sent in place as runs of the stage-1 arrivals (each source's
+  /// rows for one node are one run); rows for this rank stay (kept runs).
   std::pair<PayloadBuffer<MS>, meta_view> relay_to_relay(Exec const& exec, State& st, PayloadBuffer<MS> const& r1,
-                                                         meta_view const& r1_meta, ByteLedger& ledger, Impl::Lap<Exec>& lap) {
+                                                         meta_view const& r1_meta, ByteLedger& ledger, Impl::Lap<Exec>& lap,
+                                                         RowsInFlight* flight = nullptr) {
     auto const& comms = *this->comms_;
     int const me = this->me_;
     int const nodes = comms.topology().num_nodes();
     int const my_node = my_node_;
     auto node_of = node_of_;
     index_t const n1 = r1.rows();
-    auto key2 = this->work_.template vector<int>(exec, "key2", n1);
+    int const S = comms.node_local().size();
+    // Rows per (source, destination node); rows for this node other than
+    // this rank's own are misrouted.
+    std::vector<index_t> const seg = Impl::offsets_of(st.s1.recv_counts);
+    auto seg_d = Impl::device_vector<MS>(seg, "KokkosMoE::HierarchicalExchange::s1_segments");
+    Kokkos::View<index_t*, MS> hist("KokkosMoE::HierarchicalExchange::s2_hist", static_cast<std::size_t>(S) * nodes);
     index_t misrouted = 0;
     Kokkos::parallel_reduce(
-        "KokkosMoE::HierarchicalExchange::stage2_keys", Kokkos::RangePolicy<Exec>(exec, 0, n1),
+        "KokkosMoE::HierarchicalExchange::stage2_runs", Kokkos::RangePolicy<Exec>(exec, 0, n1),
         KOKKOS_LAMBDA(index_t p, index_t & bad) {
+          int const src = Impl::segment_of(seg_d, S, p);
           int const dst = r1_meta(p).dest_rank;
-          if (dst == me) {
-            key2(p) = nodes;
-          } else {
-            key2(p) = node_of(dst);
-            if (node_of(dst) == my_node) ++bad;
-          }
+          Kokkos::atomic_add(&hist(static_cast<std::size_t>(src) * nodes + node_of(dst)), index_t(1));
+          if (node_of(dst) == my_node && dst != me) ++bad;
         },
         misrouted);
-    Compat::fence(exec, "KokkosMoE::HierarchicalExchange: stage 2 keys");
-    bool const relay = comms.is_relay();
-    st.s2 = sort_stage(exec, key2, nodes + 1, "relay to relay");
+    auto const h = Impl::host_vector(hist);
+    st.s2 = StageRecord<MS>{};
+    st.s2.name = "relay to relay";
     st.s2.comm = 2;
     st.s2.input_rows = n1;
-    st.kept = st.s2.send_counts.back();
-    st.s2.send_counts.pop_back();
+    st.s2.send_counts.assign(static_cast<std::size_t>(nodes), 0);
+    st.s2_runs.assign(static_cast<std::size_t>(nodes), {});
+    st.kept_runs.clear();
+    st.kept = 0;
+    for (int src = 0; src < S; ++src) {
+      index_t at = seg[static_cast<std::size_t>(src)];
+      for (int n = 0; n < nodes; ++n) {
+        index_t const c = h[static_cast<std::size_t>(src) * nodes + n];
+        if (c > 0) {
+          if (n == my_node) {
+            st.kept_runs.push_back({at, c});
+            st.kept += c;
+          } else {
+            st.s2_runs[static_cast<std::size_t>(n)].push_back({at, c});
+            st.s2.send_counts[static_cast<std::size_t>(n)] += c;
+          }
+        }
+        at += c;
+      }
+    }
+    bool const relay = comms.is_relay();
     index_t const transit_out = n1 - st.kept;
     agree(comms.ep().comm(), problem_of([&] {
             KOKKOSMOE_REQUIRE(misrouted == 0, misrouted << " rows for ranks of this node arrived at rank " << me << " as transit");
             KOKKOSMOE_REQUIRE(relay || transit_out == 0, transit_out << " transit rows arrived at rank " << me << ", which is not a relay");
           }),
           "hierarchical relay check", this->config_.watchdog_seconds);
-    std::pair<PayloadBuffer<MS>, meta_view> out;  // rows from other relays (relays only)
-    out.first.type = r1.type;
-    out.first.width = r1.width;
+    // Rows from other relays (none where this rank is not a relay).
+    std::pair<PayloadBuffer<MS>, meta_view> out{payload_buffer(this->work_, exec, "s2_none", r1.type, r1.width, 0), meta_view()};
     StageLedger sl{st.s2.name, relay ? comms.relay().name() : std::string("-")};
     if (relay) {
       auto const& rc = comms.relay();
-      auto [send, send_meta] = permuted(exec, r1, r1_meta, st.s2.send_perm, transit_out, "s2_send");
-      out = exchange_stage(exec, rc, st.s2, send, send_meta, transit_out, "s2", "hierarchical dispatch stage 2");
+      out = exchange_stage(exec, rc, st.s2, r1, r1_meta, transit_out, "s2", "hierarchical dispatch stage 2", flight, 0,
+                           &st.s2_runs, &st.s2_recv_runs);
       add_sends(sl, st.s2.send_counts, rc.peer_order(), me, this->node_of_rank_, r1.row_bytes(), sizeof(RowMeta));
     }
     sl.seconds = lap();
@@ -297,38 +361,67 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     return out;
   }
 
-  /// Stage 3: relays scatter to the final ranks of their node.
+  /// Stage 3: relays scatter to the final ranks of their node, sending in
+  /// place the runs of the stage-2 arrivals (each origin's rows for one
+  /// final rank are one run).
   std::pair<PayloadBuffer<MS>, meta_view> relay_scatter(Exec const& exec, State& st, PayloadBuffer<MS> const& r2,
-                                                        meta_view const& r2_meta, ByteLedger& ledger, RowsInFlight* flight = nullptr) {
+                                                        meta_view const& r2_meta, ByteLedger& ledger) {
     auto const& comms = *this->comms_;
     auto const& node = comms.node_local();
     int const me = this->me_;
     int const my_node = my_node_;
     auto node_of = node_of_;
-    auto node_slot = node_slot_;
+    auto group_slot = group_slot_;
     index_t const n2 = r2.rows();
-    auto key3 = this->work_.template vector<int>(exec, "key3", n2);
+    int const S = node.size();
+    int const M = max_node_;
+    int const R = static_cast<int>(st.s2.recv_counts.size());  // relay peers (0 for ranks that are not relays)
+    std::vector<index_t> const seg = Impl::offsets_of(st.s2.recv_counts);
+    auto seg_d = Impl::device_vector<MS>(seg.empty() ? std::vector<index_t>{0} : seg, "KokkosMoE::HierarchicalExchange::s2_segments");
+    // Rows per (source relay, origin's slot in its node, final rank's slot).
+    Kokkos::View<index_t*, MS> hist("KokkosMoE::HierarchicalExchange::s3_hist", static_cast<std::size_t>(std::max(R, 1)) * M * S);
     index_t foreign = 0;
     Kokkos::parallel_reduce(
-        "KokkosMoE::HierarchicalExchange::stage3_keys", Kokkos::RangePolicy<Exec>(exec, 0, n2),
+        "KokkosMoE::HierarchicalExchange::stage3_runs", Kokkos::RangePolicy<Exec>(exec, 0, n2),
         KOKKOS_LAMBDA(index_t p, index_t & bad) {
+          int const m = Impl::segment_of(seg_d, R, p);
           int const dst = r2_meta(p).dest_rank;
-          key3(p) = node_of(dst) == my_node ? node_slot(dst) : 0;
-          if (node_of(dst) != my_node) ++bad;
+          if (node_of(dst) != my_node) {
+            ++bad;
+            return;
+          }
+          std::size_t const b = (static_cast<std::size_t>(m) * M + group_slot(r2_meta(p).origin_rank)) * S + group_slot(dst);
+          Kokkos::atomic_add(&hist(b), index_t(1));
         },
         foreign);
-    Compat::fence(exec, "KokkosMoE::HierarchicalExchange: stage 3 keys");
+    auto const h = Impl::host_vector(hist);
     agree(comms.ep().comm(), problem_of([&] {
             KOKKOSMOE_REQUIRE(foreign == 0, foreign << " rows for other nodes reached relay " << me << " of node " << my_node);
           }),
           "hierarchical relay check", this->config_.watchdog_seconds);
-    st.s3 = sort_stage(exec, key3, node.size(), "relay scatter");
+    st.s3 = StageRecord<MS>{};
+    st.s3.name = "relay scatter";
     st.s3.comm = 1;
     st.s3.input_rows = n2;
-    auto [send, send_meta] = permuted(exec, r2, r2_meta, st.s3.send_perm, n2, "s3_send");
+    st.s3.send_counts.assign(static_cast<std::size_t>(S), 0);
+    st.s3_runs.assign(static_cast<std::size_t>(S), {});
+    for (int m = 0; m < R; ++m) {
+      index_t at = seg[static_cast<std::size_t>(m)];
+      for (int o = 0; o < M; ++o)
+        for (int j = 0; j < S; ++j) {
+          index_t const c = h[(static_cast<std::size_t>(m) * M + o) * S + j];
+          if (c > 0) {
+            // Node-local slot j is the peer of the same slot (the node group is the node communicator's order).
+            st.s3_runs[static_cast<std::size_t>(j)].push_back({at, c});
+            st.s3.send_counts[static_cast<std::size_t>(j)] += c;
+          }
+          at += c;
+        }
+    }
     // Arrivals land after room for the rows kept from stage 1, so the final
     // buffer is the receive buffer (restore_flat_order fills the front).
-    auto out = exchange_stage(exec, node, st.s3, send, send_meta, n2, "s3", "hierarchical dispatch stage 3", flight, st.kept);
+    auto out = exchange_stage(exec, node, st.s3, r2, r2_meta, n2, "s3", "hierarchical dispatch stage 3", nullptr, st.kept,
+                              &st.s3_runs, &st.s3_recv_runs);
     StageLedger sl{st.s3.name, node.name()};
     add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta));
     std::int64_t moved = 0;
@@ -350,19 +443,15 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   void restore_flat_order(Exec const& exec, State& st, DispatchHandle<T, MS>& h, PayloadBuffer<MS> const& r1,
                           meta_view const& r1_meta, PayloadBuffer<MS> const& r3, meta_view const& r3_meta) {
     auto const& comms = *this->comms_;
-    index_t const kept = st.kept;
-    index_t const transit_out = r1.rows() - kept;
     index_t const nf = r3.rows();  // the rows kept from stage 1 (front), then the stage-3 arrivals
     int const d = r1.width;
     PayloadBuffer<MS> const& fin = r3;
     meta_view const& fin_meta = r3_meta;
     {
-      auto perm2 = st.s2.send_perm;
-      auto from_kept = KOKKOS_LAMBDA(index_t p)->index_t { return perm2(transit_out + p); };
-      auto kept_rows = prefix(fin, kept);
-      gather_rows(exec, r1, from_kept, kept_rows, "KokkosMoE::HierarchicalExchange::final_kept");
-      gather_records(exec, r1_meta, from_kept, Kokkos::subview(fin_meta, std::pair<index_t, index_t>(0, kept)),
-                     "KokkosMoE::HierarchicalExchange::final_kept_meta");
+      // The kept runs, in order, into the front of the final buffer.
+      std::vector<std::pair<index_t, index_t>> const front{{0, st.kept}};
+      Impl::copy_self_rows(exec, fin.bytes, front, r1.bytes, st.kept_runs);
+      Impl::copy_self_rows(exec, as_rows(fin_meta), front, as_rows(r1_meta), st.kept_runs);
     }
     auto ep_slot = ep_slot_;
     int const P = comms.ep().size();
@@ -416,34 +505,40 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto const& node = this->comms_->node_local();
     auto const& s3 = st.s3;
     index_t const r3 = fin.rows() - st.kept;
-    auto s3_back = payload_buffer(this->work_, exec, "s3_back", fin.type, fin.width, Impl::total(s3.send_counts));
+    // The rows come back into the places stage 3 sent them from (runs of
+    // the stage-2 arrival order), in place.
+    auto s2_in_back = payload_buffer(this->work_, exec, "s2_in_back", fin.type, fin.width, s3.input_rows);
     agree_counts(node, s3.recv_counts, r3, &s3.send_counts, "hierarchical combine stage 3 counts", this->options());
     auto src = suffix(fin, st.kept);
-    this->transport_->alltoallv(exec, node, {RowSet<MS>{src.bytes, s3_back.bytes}}, s3.recv_counts, s3.send_counts,
-                                "hierarchical combine stage 3 rows", this->options());
+    this->transport_->alltoallv(exec, node, {RowSet<MS>{src.bytes, s2_in_back.bytes, st.s3_recv_runs, st.s3_runs}}, s3.recv_counts,
+                                s3.send_counts, "hierarchical combine stage 3 rows", this->options());
     StageLedger sl{"relay gather (reverse of relay scatter)", node.name()};
     add_sends(sl, s3.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0);
     sl.seconds = lap();
     ledger.combine.stages.push_back(sl);
-    auto s2_in_back = payload_buffer(this->work_, exec, "s2_in_back", fin.type, fin.width, s3.input_rows);
-    auto perm3 = s3.send_perm;
-    scatter_rows(exec, s3_back, perm3, s2_in_back, "KokkosMoE::HierarchicalExchange::unpermute3");
     return s2_in_back;
   }
 
   /// Reverse of stage 2 between relays.
   PayloadBuffer<MS> reverse_relay(Exec const& exec, State const& st, PayloadBuffer<MS> const& s2_in_back, ByteLedger& ledger,
-                                  Impl::Lap<Exec>& lap) {
+                                  Impl::Lap<Exec>& lap, RowsInFlight* flight = nullptr) {
     auto const& comms = *this->comms_;
     auto const& s2 = st.s2;
-    index_t const transit_out = Impl::total(st.s1.recv_counts) - st.kept;
-    auto s2_back = payload_buffer(this->work_, exec, "s2_back", s2_in_back.type, s2_in_back.width, transit_out);
+    // The stage-1 arrival order rebuilt in place: transit rows come back
+    // into the runs stage 2 sent them from (the kept runs are filled by
+    // reverse_gather).
+    auto s2_back = payload_buffer(this->work_, exec, "s1_recv_back", s2_in_back.type, s2_in_back.width, Impl::total(st.s1.recv_counts));
     StageLedger sl{"relay to relay (reverse)", comms.is_relay() ? comms.relay().name() : std::string("-")};
     if (comms.is_relay()) {
       auto const& rc = comms.relay();
       agree_counts(rc, s2.recv_counts, s2_in_back.rows(), &s2.send_counts, "hierarchical combine stage 2 counts", this->options());
-      this->transport_->alltoallv(exec, rc, {RowSet<MS>{s2_in_back.bytes, s2_back.bytes}}, s2.recv_counts, s2.send_counts,
-                                  "hierarchical combine stage 2 rows", this->options());
+      std::vector<RowSet<MS>> const sets{RowSet<MS>{s2_in_back.bytes, s2_back.bytes, st.s2_recv_runs, st.s2_runs}};
+      if (flight)
+        *flight = this->transport_->start_alltoallv(exec, rc, sets, s2.recv_counts, s2.send_counts,
+                                                    "hierarchical combine stage 2 rows", this->options());
+      else
+        this->transport_->alltoallv(exec, rc, sets, s2.recv_counts, s2.send_counts, "hierarchical combine stage 2 rows",
+                                    this->options());
       add_sends(sl, s2.recv_counts, rc.peer_order(), this->me_, this->node_of_rank_, s2_in_back.row_bytes(), 0);
     }
     sl.seconds = lap();
@@ -455,24 +550,16 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   /// stage 2, kept rows from the final buffer), back to the origins, then
   /// into the plan's send order in the caller's return buffer.
   PayloadBuffer<MS> reverse_gather(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, PayloadBuffer<MS> const& s2_back,
-                                   ByteLedger& ledger, RowsInFlight* flight) {
+                                   ByteLedger& ledger) {
     auto const& node = this->comms_->node_local();
     auto const& s1 = st.s1;
-    index_t const kept = st.kept;
-    index_t const transit_out = s2_back.rows();
     index_t const r1 = Impl::total(s1.recv_counts);
-    auto s1_recv_back = payload_buffer(this->work_, exec, "s1_recv_back", fin.type, fin.width, r1);
-    {
-      auto perm2 = st.s2.send_perm;
-      scatter_rows(exec, s2_back, perm2, s1_recv_back, "KokkosMoE::HierarchicalExchange::unpermute2_transit");
-      auto kept_rows = prefix(fin, kept);
-      scatter_rows(exec, kept_rows, KOKKOS_LAMBDA(index_t p)->index_t { return perm2(transit_out + p); }, s1_recv_back,
-                   "KokkosMoE::HierarchicalExchange::unpermute2_kept");
-    }
+    PayloadBuffer<MS> const& s1_recv_back = s2_back;  // transit rows already in place
+    Impl::copy_self_rows(exec, s1_recv_back.bytes, st.kept_runs, fin.bytes, {{0, st.kept}});
     auto s1_back = payload_buffer(this->work_, exec, "s1_back", fin.type, fin.width, s1.input_rows);
     agree_counts(node, s1.recv_counts, r1, &s1.send_counts, "hierarchical combine stage 1 counts", this->options());
-    *flight = this->transport_->start_alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, s1_back.bytes}}, s1.recv_counts,
-                                                s1.send_counts, "hierarchical combine stage 1 rows", this->options());
+    this->transport_->alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, s1_back.bytes}}, s1.recv_counts, s1.send_counts,
+                                "hierarchical combine stage 1 rows", this->options());
     StageLedger sl{"return from relay + node-local direct", node.name()};
     add_sends(sl, s1.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0);
     ledger.combine.stages.push_back(sl);
@@ -501,16 +588,6 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     return s;
   }
 
-  /// Rows and metadata gathered into send order (first `count` positions).
-  std::pair<PayloadBuffer<MS>, meta_view> permuted(Exec const& exec, PayloadBuffer<MS> const& rows, meta_view const& meta,
-                                                   index_view const& perm, index_t count, std::string const& key) {
-    auto out = payload_buffer(this->work_, exec, key, rows.type, rows.width, count);
-    auto out_meta = this->work_.template vector<RowMeta>(exec, key + "_meta", count);
-    gather_rows(exec, rows, perm, out, "KokkosMoE::HierarchicalExchange::permute");
-    gather_records(exec, meta, perm, out_meta, "KokkosMoE::HierarchicalExchange::permute_meta");
-    return {out, out_meta};
-  }
-
   /// One dispatch stage's transport: the rows and metadata in the stage's
   /// send order go to their peers of comm after the counts are agreed;
   /// returns what arrived (after `front` rows left for the caller) and
@@ -518,14 +595,20 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   std::pair<PayloadBuffer<MS>, meta_view> exchange_stage(Exec const& exec, Topology::Communicator const& comm, StageRecord<MS>& stage,
                                                          PayloadBuffer<MS> const& send, meta_view const& send_meta, index_t count,
                                                          std::string const& key, std::string const& what,
-                                                         RowsInFlight* flight = nullptr, index_t front = 0) {
+                                                         RowsInFlight* flight = nullptr, index_t front = 0,
+                                                         RowRuns const* runs = nullptr, RowRuns* recv_runs = nullptr) {
     stage.recv_counts = agree_counts(comm, stage.send_counts, count, nullptr, (what + " counts").c_str(), this->options()).recv;
+    if (runs) *recv_runs = consecutive_runs(exchange_run_lengths(comm, *runs, (what + " runs").c_str(), this->options()));
     index_t const n = Impl::total(stage.recv_counts);
     auto recv = payload_buffer(this->work_, exec, key + "_recv", send.type, send.width, front + n);
     auto recv_meta = this->work_.template vector<RowMeta>(exec, key + "_recv_meta", front + n);
     auto const arrivals = suffix(recv, front);
     meta_view const arrivals_meta = Kokkos::subview(recv_meta, std::pair<index_t, index_t>(front, front + n));
-    std::vector<RowSet<MS>> const sets{RowSet<MS>{send.bytes, arrivals.bytes}, RowSet<MS>{as_rows(send_meta), as_rows(arrivals_meta)}};
+    RowRuns const none;
+    RowRuns const& r = runs ? *runs : none;
+    RowRuns const& rr = runs ? *recv_runs : none;
+    std::vector<RowSet<MS>> const sets{RowSet<MS>{send.bytes, arrivals.bytes, r, rr},
+                                       RowSet<MS>{as_rows(send_meta), as_rows(arrivals_meta), r, rr}};
     if (flight)
       *flight = this->transport_->start_alltoallv(exec, comm, sets, stage.send_counts, stage.recv_counts, (what + " rows").c_str(),
                                                   this->options());
@@ -558,7 +641,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   }
 
  private:
-  Kokkos::View<int*, MS> node_of_, node_slot_, ep_slot_;
+  Kokkos::View<int*, MS> node_of_, node_slot_, ep_slot_, group_slot_;
+  int max_node_ = 1;  ///< ranks of the largest node
   int my_node_ = -1;
   int my_relay_ = -1;
 };

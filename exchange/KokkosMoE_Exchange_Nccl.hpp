@@ -97,19 +97,28 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
       roff[p + 1] = roff[p] + recv_counts[p];
     }
     for (auto const& s : sets) {
-      if (me >= 0 && send_counts[me] > 0) copy_row_range(exec, s.recv, roff[me], s.send, soff[me], send_counts[me]);
+      Impl::check_runs(s.send_runs, send_counts, static_cast<index_t>(s.send.extent(0)), "send", what);
+      Impl::check_runs(s.recv_runs, recv_counts, static_cast<index_t>(s.recv.extent(0)), "receive", what);
+      if (me >= 0 && send_counts[me] > 0)
+        Impl::copy_self_rows(exec, s.recv, Impl::runs_of(s.recv_runs, roff, me), s.send, Impl::runs_of(s.send_runs, soff, me));
     }
+    // One send (receive) per peer segment, or per run: NCCL pairs them in
+    // order, so both sides' runs must have the same lengths.
     KOKKOSMOE_NCCL_CHECK(ncclGroupStart());
     for (auto const& s : sets) {
       std::size_t const rb = s.send.extent(1);
       for (int p = 0; p < P; ++p) {
         if (p == me) continue;
         if (send_counts[p] > 0)
-          KOKKOSMOE_NCCL_CHECK(ncclSend(s.send.data() + soff[p] * rb, static_cast<std::size_t>(send_counts[p]) * rb, ncclUint8, p,
-                                        nc.get(), stream));
+          for (auto const& [first, n] : Impl::runs_of(s.send_runs, soff, p))
+            if (n > 0)
+              KOKKOSMOE_NCCL_CHECK(ncclSend(s.send.data() + static_cast<std::size_t>(first) * rb, static_cast<std::size_t>(n) * rb,
+                                            ncclUint8, p, nc.get(), stream));
         if (recv_counts[p] > 0)
-          KOKKOSMOE_NCCL_CHECK(ncclRecv(s.recv.data() + roff[p] * rb, static_cast<std::size_t>(recv_counts[p]) * rb, ncclUint8, p,
-                                        nc.get(), stream));
+          for (auto const& [first, n] : Impl::runs_of(s.recv_runs, roff, p))
+            if (n > 0)
+              KOKKOSMOE_NCCL_CHECK(ncclRecv(s.recv.data() + static_cast<std::size_t>(first) * rb, static_cast<std::size_t>(n) * rb,
+                                            ncclUint8, p, nc.get(), stream));
       }
     }
     KOKKOSMOE_NCCL_CHECK(ncclGroupEnd());

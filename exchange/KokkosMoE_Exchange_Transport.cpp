@@ -28,36 +28,87 @@ bool mpi_is_cuda_aware() {
 
 namespace Impl {
 
+std::vector<std::pair<index_t, index_t>> runs_of(RowRuns const& runs, std::vector<index_t> const& off, int p) {
+  if (!runs.empty()) return runs[static_cast<std::size_t>(p)];
+  return {{off[static_cast<std::size_t>(p)], off[static_cast<std::size_t>(p) + 1] - off[static_cast<std::size_t>(p)]}};
+}
+
+void check_runs(RowRuns const& runs, std::vector<index_t> const& counts, index_t rows, char const* side, char const* what) {
+  if (runs.empty()) return;
+  KOKKOSMOE_REQUIRE(runs.size() == counts.size(),
+                    what << ": " << side << " runs for " << runs.size() << " peers, counts for " << counts.size());
+  for (std::size_t p = 0; p < runs.size(); ++p) {
+    index_t total = 0;
+    for (auto const& [first, n] : runs[p]) {
+      KOKKOSMOE_REQUIRE(first >= 0 && n >= 0 && first + n <= rows,
+                        what << ": " << side << " run [" << first << ", " << first + n << ") of peer slot " << p
+                             << " outside the buffer's " << rows << " rows");
+      total += n;
+    }
+    KOKKOSMOE_REQUIRE(total == counts[p], what << ": " << side << " runs of peer slot " << p << " hold " << total
+                                               << " rows, its count is " << counts[p]);
+  }
+}
+
 void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
-               std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, int tag,
-               std::vector<Pending>& pending) {
+               std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, RowRuns const& send_runs,
+               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending) {
   int const P = comm.size();
   int const me = comm.my_slot();
   if (row_bytes == 0) return;
   MPI_Datatype row;
   KOKKOSMOE_MPI_CHECK(MPI_Type_contiguous(static_cast<int>(row_bytes), MPI_BYTE, &row), comm.comm());
   KOKKOSMOE_MPI_CHECK(MPI_Type_commit(&row), comm.comm());
-  std::size_t roff = 0, soff = 0;
+  std::vector<index_t> roff(static_cast<std::size_t>(P) + 1, 0), soff(static_cast<std::size_t>(P) + 1, 0);
   for (int p = 0; p < P; ++p) {
-    if (p != me && recv_counts[p] > 0) {
-      KOKKOSMOE_REQUIRE(recv_counts[p] <= INT_MAX, "receive of " << recv_counts[p] << " rows from peer " << p << " exceeds int");
-      MPI_Request r;
-      KOKKOSMOE_MPI_CHECK(MPI_Irecv(recv + roff * row_bytes, static_cast<int>(recv_counts[p]), row, p, tag, comm.comm(), &r),
-                          comm.comm());
-      pending.push_back(Pending{r, p, true});
-    }
-    roff += static_cast<std::size_t>(recv_counts[p]);
+    roff[p + 1] = roff[p] + recv_counts[p];
+    soff[p + 1] = soff[p] + send_counts[p];
   }
-  for (int p = 0; p < P; ++p) {
-    if (p != me && send_counts[p] > 0) {
-      KOKKOSMOE_REQUIRE(send_counts[p] <= INT_MAX, "send of " << send_counts[p] << " rows to peer " << p << " exceeds int");
+  // Runs of a peer travel as one message per run (MPI keeps the order of
+  // messages between two ranks with one tag), each contiguous, so that large
+  // runs take the MPI's single-copy path; runs averaging under 64 KiB go as
+  // one message of an indexed datatype instead (the MPI packs them). Both
+  // sides see the same run lengths, so they choose alike.
+  auto post = [&](bool receive, unsigned char* base, std::vector<std::pair<index_t, index_t>> const& runs, int p) {
+    std::size_t rows = 0, count = 0;
+    for (auto const& [first, n] : runs)
+      if (n > 0) {
+        rows += static_cast<std::size_t>(n);
+        ++count;
+      }
+    auto issue = [&](void* buf, int n, MPI_Datatype type) {
       MPI_Request r;
-      KOKKOSMOE_MPI_CHECK(MPI_Isend(send + soff * row_bytes, static_cast<int>(send_counts[p]), row, p, tag, comm.comm(), &r),
-                          comm.comm());
-      pending.push_back(Pending{r, p, false});
+      if (receive)
+        KOKKOSMOE_MPI_CHECK(MPI_Irecv(buf, n, type, p, tag, comm.comm(), &r), comm.comm());
+      else
+        KOKKOSMOE_MPI_CHECK(MPI_Isend(buf, n, type, p, tag, comm.comm(), &r), comm.comm());
+      pending.push_back(Pending{r, p, receive});
+    };
+    if (count > 1 && rows * row_bytes < count * (std::size_t(64) << 10)) {
+      std::vector<int> lengths, displs;
+      for (auto const& [first, n] : runs)
+        if (n > 0) {
+          KOKKOSMOE_REQUIRE(first <= INT_MAX && n <= INT_MAX, "run of " << n << " rows at row " << first << " with peer " << p << " exceeds int");
+          lengths.push_back(static_cast<int>(n));
+          displs.push_back(static_cast<int>(first));
+        }
+      MPI_Datatype type;
+      KOKKOSMOE_MPI_CHECK(MPI_Type_indexed(static_cast<int>(lengths.size()), lengths.data(), displs.data(), row, &type), comm.comm());
+      KOKKOSMOE_MPI_CHECK(MPI_Type_commit(&type), comm.comm());
+      issue(base, 1, type);
+      MPI_Type_free(&type);  // deferred by MPI until the operation completes
+      return;
     }
-    soff += static_cast<std::size_t>(send_counts[p]);
-  }
+    for (auto const& [first, n] : runs) {
+      if (n == 0) continue;
+      KOKKOSMOE_REQUIRE(n <= INT_MAX, (receive ? "receive of " : "send of ") << n << " rows with peer " << p << " exceeds int");
+      issue(base + static_cast<std::size_t>(first) * row_bytes, static_cast<int>(n), row);
+    }
+  };
+  for (int p = 0; p < P; ++p)
+    if (p != me && recv_counts[p] > 0) post(true, recv, runs_of(recv_runs, roff, p), p);
+  for (int p = 0; p < P; ++p)
+    if (p != me && send_counts[p] > 0) post(false, const_cast<unsigned char*>(send), runs_of(send_runs, soff, p), p);
   MPI_Type_free(&row);  // deferred by MPI until the operations complete
 }
 
@@ -185,6 +236,61 @@ std::string transport_unavailable_reason(TransportKind kind) {
   return "exchange transport 'nccl' is not available: this KokkosMoE was built without NCCL (build option "
          "KokkosMoE_ENABLE_NCCL=ON, which needs a Kokkos with the CUDA backend and NCCL, found through NCCL_ROOT)";
 #endif
+}
+
+std::vector<std::vector<index_t>> exchange_run_lengths(Topology::Communicator const& comm, RowRuns const& send_runs,
+                                                       char const* what, TransportOptions const& options) {
+  int const P = comm.size();
+  int const me = comm.my_slot();
+  KOKKOSMOE_REQUIRE(static_cast<int>(send_runs.size()) == P, what << ": runs for " << send_runs.size() << " peers of " << comm.name());
+  std::vector<std::vector<index_t>> out(static_cast<std::size_t>(P)), in(static_cast<std::size_t>(P));
+  std::vector<index_t> out_n(static_cast<std::size_t>(P)), in_n(static_cast<std::size_t>(P), 0);
+  for (int p = 0; p < P; ++p) {
+    for (auto const& [first, n] : send_runs[static_cast<std::size_t>(p)])
+      if (n > 0) out[static_cast<std::size_t>(p)].push_back(n);
+    out_n[static_cast<std::size_t>(p)] = static_cast<index_t>(out[static_cast<std::size_t>(p)].size());
+  }
+  in[static_cast<std::size_t>(me)] = out[static_cast<std::size_t>(me)];
+  std::vector<Impl::Pending> pending;
+  for (int p = 0; p < P; ++p) {
+    if (p == me) continue;
+    MPI_Request r;
+    KOKKOSMOE_MPI_CHECK(MPI_Irecv(&in_n[static_cast<std::size_t>(p)], 1, MPI_INT64_T, p, 6998, comm.comm(), &r), comm.comm());
+    pending.push_back(Impl::Pending{r, p, true});
+    KOKKOSMOE_MPI_CHECK(MPI_Isend(&out_n[static_cast<std::size_t>(p)], 1, MPI_INT64_T, p, 6998, comm.comm(), &r), comm.comm());
+    pending.push_back(Impl::Pending{r, p, false});
+  }
+  Impl::wait_all(comm, pending, what, options);
+  for (int p = 0; p < P; ++p) {
+    if (p == me) continue;
+    in[static_cast<std::size_t>(p)].resize(static_cast<std::size_t>(in_n[static_cast<std::size_t>(p)]));
+    MPI_Request r;
+    if (!in[static_cast<std::size_t>(p)].empty()) {
+      KOKKOSMOE_MPI_CHECK(MPI_Irecv(in[static_cast<std::size_t>(p)].data(), static_cast<int>(in_n[static_cast<std::size_t>(p)]), MPI_INT64_T,
+                                    p, 6997, comm.comm(), &r),
+                          comm.comm());
+      pending.push_back(Impl::Pending{r, p, true});
+    }
+    if (!out[static_cast<std::size_t>(p)].empty()) {
+      KOKKOSMOE_MPI_CHECK(MPI_Isend(out[static_cast<std::size_t>(p)].data(), static_cast<int>(out_n[static_cast<std::size_t>(p)]), MPI_INT64_T,
+                                    p, 6997, comm.comm(), &r),
+                          comm.comm());
+      pending.push_back(Impl::Pending{r, p, false});
+    }
+  }
+  Impl::wait_all(comm, pending, what, options);
+  return in;
+}
+
+RowRuns consecutive_runs(std::vector<std::vector<index_t>> const& lengths) {
+  RowRuns runs(lengths.size());
+  index_t at = 0;
+  for (std::size_t p = 0; p < lengths.size(); ++p)
+    for (index_t n : lengths[p]) {
+      runs[p].push_back({at, n});
+      at += n;
+    }
+  return runs;
 }
 
 }  // namespace Exchange

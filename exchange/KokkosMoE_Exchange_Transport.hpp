@@ -24,6 +24,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -32,13 +33,29 @@
 namespace KokkosMoE {
 namespace Exchange {
 
+/// \brief Where a peer's rows sit in a buffer: per peer slot, runs (first
+/// row, rows) in the order they are sent or received. Empty: the peers'
+/// segments are contiguous, in peer order, sized by the counts.
+using RowRuns = std::vector<std::vector<std::pair<index_t, index_t>>>;
+
 /// \brief Rows of one buffer pair moved by one all-to-all: send rows leave in
 /// peer-slot order (segments by send counts), recv rows arrive grouped by
 /// source peer slot (segments by recv counts). Both views are [rows, bytes].
+/// With runs, a peer's rows leave from (arrive at) several places of the
+/// buffer with no copy: one message per run, so the sender's runs for a
+/// peer and that peer's receive runs must have the same lengths in the same
+/// order (exchange_run_lengths tells a receiver what is coming); a peer's
+/// runs add up to its count. Runs on one side need runs on the other.
 template <class MemorySpace>
 struct RowSet {
-  Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace> send;
-  Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace> recv;
+  using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace>;
+  RowSet() = default;
+  RowSet(rows_view s, rows_view r, RowRuns sr = {}, RowRuns rr = {})
+      : send(std::move(s)), recv(std::move(r)), send_runs(std::move(sr)), recv_runs(std::move(rr)) {}
+  rows_view send;
+  rows_view recv;
+  RowRuns send_runs;  ///< empty: contiguous segments by send counts
+  RowRuns recv_runs;  ///< empty: contiguous segments by recv counts
 };
 
 /// \brief True when device buffers may be passed to MPI: the configured
@@ -117,25 +134,50 @@ void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending)
 void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending, char const* what,
               TransportOptions const& options);
 
+/// The runs of peer p: runs[p], or its contiguous segment [off[p], off[p+1]).
+std::vector<std::pair<index_t, index_t>> runs_of(RowRuns const& runs, std::vector<index_t> const& off, int p);
+
+/// Checks that every peer's runs add up to its count and lie in a buffer of
+/// `rows` rows; throws Error naming the peer.
+void check_runs(RowRuns const& runs, std::vector<index_t> const& counts, index_t rows, char const* side, char const* what);
+
 /// Digest of the rows a rank sends to its peers (every segment but its own)
 /// of a [rows, bytes] buffer, in peer order (host copy for device memory).
 template <class MS>
-std::uint64_t sent_rows_digest(Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS> const& send,
+std::uint64_t sent_rows_digest(Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS> const& send, RowRuns const& runs,
                                std::vector<index_t> const& soff, int me) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), send);
   std::size_t const rb = send.extent(1);
   std::uint64_t d = 0x9E3779B97F4A7C15ULL;
   for (std::size_t p = 0; p + 1 < soff.size(); ++p)
     if (static_cast<int>(p) != me)
-      d = digest_bytes(h.data() + static_cast<std::size_t>(soff[p]) * rb, static_cast<std::size_t>(soff[p + 1] - soff[p]) * rb, d);
+      for (auto const& [first, n] : runs_of(runs, soff, static_cast<int>(p)))
+        d = digest_bytes(h.data() + static_cast<std::size_t>(first) * rb, static_cast<std::size_t>(n) * rb, d);
   return d;
 }
 
 /// Posts receives and sends of raw rows for one buffer pair (host-visible
-/// pointers), appending to pending. Self rows are not posted.
+/// pointers), appending to pending: one message per peer segment, or per
+/// run. Self rows are not posted.
 void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
-               std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, int tag,
-               std::vector<Pending>& pending);
+               std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, RowRuns const& send_runs,
+               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending);
+
+/// The rank's own rows: its send runs copied to its receive runs, in order.
+template <class Exec, class DstView, class SrcView>
+void copy_self_rows(Exec const& exec, DstView const& dst, std::vector<std::pair<index_t, index_t>> const& dst_runs,
+                    SrcView const& src, std::vector<std::pair<index_t, index_t>> const& src_runs) {
+  std::size_t i = 0, j = 0;
+  index_t di = 0, sj = 0;  // rows already used of dst_runs[i], src_runs[j]
+  while (i < dst_runs.size() && j < src_runs.size()) {
+    index_t const n = std::min(dst_runs[i].second - di, src_runs[j].second - sj);
+    copy_row_range(exec, dst, dst_runs[i].first + di, src, src_runs[j].first + sj, n);
+    di += n;
+    sj += n;
+    if (di == dst_runs[i].second) ++i, di = 0;
+    if (sj == src_runs[j].second) ++j, sj = 0;
+  }
+}
 
 }  // namespace Impl
 
@@ -160,11 +202,14 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     roff[p + 1] = roff[p] + recv_counts[p];
   }
   for (auto const& s : sets) {
-    KOKKOSMOE_REQUIRE(static_cast<index_t>(s.send.extent(0)) >= soff[P] && static_cast<index_t>(s.recv.extent(0)) >= roff[P] &&
+    KOKKOSMOE_REQUIRE((!s.send_runs.empty() || static_cast<index_t>(s.send.extent(0)) >= soff[P]) &&
+                          (!s.recv_runs.empty() || static_cast<index_t>(s.recv.extent(0)) >= roff[P]) &&
                           s.send.extent(1) == s.recv.extent(1),
                       what << ": buffers of " << s.send.extent(0) << " and " << s.recv.extent(0) << " rows ("
                            << s.send.extent(1) << "/" << s.recv.extent(1) << " B) for " << soff[P] << " sent and "
                            << roff[P] << " received rows");
+    Impl::check_runs(s.send_runs, send_counts, static_cast<index_t>(s.send.extent(0)), "send", what);
+    Impl::check_runs(s.recv_runs, recv_counts, static_cast<index_t>(s.recv.extent(0)), "receive", what);
   }
   Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: send rows complete");
   // Same-rank rows: a local copy.
@@ -172,7 +217,7 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     if (me >= 0 && send_counts[me] > 0) {
       KOKKOSMOE_REQUIRE(send_counts[me] == recv_counts[me],
                         what << ": rank sends " << send_counts[me] << " rows to itself but expects " << recv_counts[me]);
-      copy_row_range(exec, s.recv, roff[me], s.send, soff[me], send_counts[me]);
+      Impl::copy_self_rows(exec, s.recv, Impl::runs_of(s.recv_runs, roff, me), s.send, Impl::runs_of(s.send_runs, soff, me));
     }
   }
   constexpr bool host_visible = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
@@ -182,7 +227,8 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: self copies");
     int tag = 7000;
     for (auto const& s : sets)
-      Impl::post_rows(comm, s.recv.data(), s.send.data(), s.send.extent(1), send_counts, recv_counts, tag++, pending);
+      Impl::post_rows(comm, s.recv.data(), s.send.data(), s.send.extent(1), send_counts, recv_counts, s.send_runs, s.recv_runs,
+                      tag++, pending);
     if (!start) {
       Impl::wait_all(comm, pending, what, options);
       return {};
@@ -194,12 +240,12 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     std::string const label = what;
     std::vector<std::uint64_t> digests;
     if (options.verify_send_rows)
-      for (auto const& s : sets) digests.push_back(Impl::sent_rows_digest(s.send, soff, me));
+      for (auto const& s : sets) digests.push_back(Impl::sent_rows_digest(s.send, s.send_runs, soff, me));
     return RowsInFlight([state, c] { Impl::test_all(*c, *state); },
                         [state, c, sets, label, options, digests, soff, me] {
                           Impl::wait_all(*c, *state, label.c_str(), options);
                           for (std::size_t i = 0; i < digests.size(); ++i)
-                            KOKKOSMOE_REQUIRE(Impl::sent_rows_digest(sets[i].send, soff, me) == digests[i],
+                            KOKKOSMOE_REQUIRE(Impl::sent_rows_digest(sets[i].send, sets[i].send_runs, soff, me) == digests[i],
                                               label << ": the send rows (buffer " << i << " of " << sets.size()
                                                     << ") changed while the transfer was in flight: a send buffer was "
                                                        "reused before its transfer completed");
@@ -217,13 +263,14 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
   for (std::size_t i = 0; i < sets.size(); ++i) {
     // Keep the self segment already written on the device: receive into the
     // host mirror, then copy only the peer segments back.
-    Impl::post_rows(comm, hr[i].data(), hs[i].data(), sets[i].send.extent(1), send_counts, recv_counts, tag++, pending);
+    Impl::post_rows(comm, hr[i].data(), hs[i].data(), sets[i].send.extent(1), send_counts, recv_counts, sets[i].send_runs,
+                    sets[i].recv_runs, tag++, pending);
   }
   Impl::wait_all(comm, pending, what, options);
   for (std::size_t i = 0; i < sets.size(); ++i)
     for (int p = 0; p < P; ++p)
       if (p != me && recv_counts[p] > 0)
-        copy_row_range(exec, sets[i].recv, roff[p], hr[i], roff[p], recv_counts[p]);
+        for (auto const& [first, n] : Impl::runs_of(sets[i].recv_runs, roff, p)) copy_row_range(exec, sets[i].recv, first, hr[i], first, n);
   Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: staged back");
   return {};
 }
@@ -269,6 +316,18 @@ class MpiTransport final : public Transport<Exec, MemorySpace> {
     return mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options, /*start=*/true);
   }
 };
+
+/// \brief Collective over comm: every rank tells each peer the lengths of
+/// the runs it will send it (RowSet::send_runs); returns, per peer slot, the
+/// lengths of the runs that peer will send this rank, in order (the rank's
+/// own runs for itself). Under the watchdog.
+std::vector<std::vector<index_t>> exchange_run_lengths(Topology::Communicator const& comm, RowRuns const& send_runs,
+                                                       char const* what, TransportOptions const& options = {});
+
+/// \brief Runs that place each peer's runs of the given lengths one after
+/// the other (peer order), from row 0: where rows announced by
+/// exchange_run_lengths land in a contiguous receive buffer.
+RowRuns consecutive_runs(std::vector<std::vector<index_t>> const& lengths);
 
 /// \brief Counts agreed by a sender and its receivers.
 struct AgreedCounts {

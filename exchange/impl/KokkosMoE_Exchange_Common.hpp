@@ -55,6 +55,21 @@ inline std::vector<index_t> offsets_of(std::vector<index_t> const& counts) {
   return off;
 }
 
+/// Segment of row p given segment offsets off[0..n] (n segments): the last
+/// s with off(s) <= p (empty segments are skipped over).
+template <class Off>
+KOKKOS_INLINE_FUNCTION int segment_of(Off const& off, int n, index_t p) {
+  int lo = 0, hi = n;  // off(lo) <= p < off(hi)
+  while (hi - lo > 1) {
+    int const mid = (lo + hi) / 2;
+    if (off(mid) <= p)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 inline index_t total(std::vector<index_t> const& v) {
   index_t t = 0;
   for (auto x : v) t += x;
