@@ -23,6 +23,8 @@
 ///
 /// dispatch = stripe (this wave's pool rows) -> build_pools -> all-to-all ->
 /// compact (expert rows). combine = return_pools -> all-to-all -> collect.
+/// Pools are written row by row in one pass each (routes' rows, zero
+/// header and padding rows, then the header bytes): no clearing pass.
 
 #include <KokkosMoE_CountingSort.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
@@ -219,11 +221,20 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     int const L = shape_.local_experts;
     int const bits = pooled_wave_id_bits(L);
     auto sb = send.bytes;
-    zero_fill(exec, sb);
     auto pool_route = st.pool_route;
     auto local_id = local_id_;
     auto slot = routes.slot;
     auto token = routes.token;
+    // Every row once: a route's row encoded from hidden, header and padding
+    // rows zero (no separate clearing pass); then the headers.
+    gather_rows(exec, hidden,
+                KOKKOS_LAMBDA(index_t r)->index_t {
+                  index_t const j = r % pool;
+                  if (j < H) return -1;
+                  index_t const a = pool_route(static_cast<int>(r / pool), j - H);
+                  return a >= 0 ? static_cast<index_t>(token(a)) : -1;
+                },
+                send, "KokkosMoE::PooledWave::pack", MissingRow::zero);
     // One thread per pool packs its ids (bits wide, little-endian).
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::headers", Kokkos::RangePolicy<Exec>(exec, 0, P), KOKKOS_LAMBDA(int q) {
@@ -245,14 +256,6 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           if (filled > 0) hdr[at] = static_cast<unsigned char>(acc & 0xFFu);
         });
     Compat::fence(exec, "KokkosMoE::PooledWave: headers");
-    gather_rows(exec, hidden,
-                KOKKOS_LAMBDA(index_t r)->index_t {
-                  index_t const j = r % pool;
-                  if (j < H) return -1;
-                  index_t const a = pool_route(static_cast<int>(r / pool), j - H);
-                  return a >= 0 ? static_cast<index_t>(token(a)) : -1;
-                },
-                send, "KokkosMoE::PooledWave::pack");
   }
 
   /// Ledger stage of one wave's pools: every peer gets a full pool; useful
@@ -364,10 +367,18 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     int const P = this->comms_->ep().size();
     index_t const Rs = st.shapes.sender_pool_rows;
     index_t const pool = st.shapes.pool_rows_with_header;
+    index_t const H = st.shapes.header_rows;
     auto bb = back.bytes;
-    zero_fill(exec, bb);
     index_t const flag_bytes = (Rs + 7) / 8;
     auto compact_of = st.compact_of;
+    // Every row once: a kept route's result, header and other rows zero;
+    // then the headers' flags.
+    gather_rows(exec, expert_out,
+                KOKKOS_LAMBDA(index_t r)->index_t {
+                  index_t const j = r % pool;
+                  return j < H ? -1 : compact_of((r / pool) * Rs + (j - H));
+                },
+                back, "KokkosMoE::PooledWave::return_rows", MissingRow::zero);
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * flag_bytes),
         KOKKOS_LAMBDA(index_t x) {
@@ -379,7 +390,6 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           }
           (&bb(s * pool, 0))[byte] = flags;  // the header spans the pool's first rows
         });
-    scatter_rows(exec, expert_out, st.source_of, back, "KokkosMoE::PooledWave::return_rows");
   }
 
   /// Sender: the return row of every route of this wave, at its send
