@@ -109,10 +109,7 @@ std::map<std::string, double> slowest(std::map<std::string, double> const& local
 template <class T>
 std::string output_digest(RowMatrix<T, MS> const& out, MPI_Comm comm, double watchdog) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
-  std::string const mine(reinterpret_cast<char const*>(h.data()), h.size() * sizeof(T));
-  std::uint64_t d = 0x9E3779B97F4A7C15ULL;
-  for (auto const& rows : allgather_strings(comm, mine, watchdog)) d = digest_bytes(rows.data(), rows.size(), d);
-  return digest_hex(d);
+  return ranks_digest(comm, h.data(), h.size() * sizeof(T), watchdog);
 }
 
 /// The run: its setup, the layer and what the steps accumulate.

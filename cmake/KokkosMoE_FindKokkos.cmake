@@ -36,6 +36,15 @@ else()
   message(FATAL_ERROR "KokkosMoE: Kokkos at ${Kokkos_DIR} defines neither Kokkos::kokkoscore nor the TriBITS variables Kokkos_LIBRARIES/Kokkos_INCLUDE_DIRS")
 endif()
 set(KokkosMoE_KOKKOS_VERSION ${Kokkos_VERSION})
+# Shared Kokkos libraries (Trilinos' are; a standalone build's when built so):
+# what a shared library or Python module linking KokkosMoE needs.
+set(KokkosMoE_KOKKOS_SHARED ON)
+if(KokkosMoE_KOKKOS_FLAVOR STREQUAL "standalone")
+  get_target_property(_kmoe_kokkos_type Kokkos::kokkoscore TYPE)
+  if(NOT _kmoe_kokkos_type STREQUAL "SHARED_LIBRARY")
+    set(KokkosMoE_KOKKOS_SHARED OFF)
+  endif()
+endif()
 set(KokkosMoE_KOKKOS_DEVICES ${Kokkos_DEVICES})
 
 set(KokkosMoE_KOKKOS_HAS_CUDA OFF)

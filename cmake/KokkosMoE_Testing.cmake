@@ -14,7 +14,8 @@ if(_kmoe_mpiexec_version MATCHES "Open MPI|OpenRTE" AND NOT "--oversubscribe" IN
   list(APPEND KOKKOSMOE_MPIEXEC_PREFLAGS --oversubscribe)
 endif()
 
-# Environment of every test: root-friendly OpenMPI, one BLAS thread and
+# Environment of every test: root-friendly OpenMPI whose idle ranks yield the
+# core (oversubscribed ranks that spin starve the rank they wait for), one BLAS thread and
 # KokkosMoE_TEST_OMP_THREADS OpenMP threads per rank (1 by default: ranks share
 # the cores; more on an OpenMP build runs every kernel with real threads, the
 # race check of the CPU builds), no Kokkos tools.
@@ -23,6 +24,7 @@ set(KOKKOSMOE_TEST_ENVIRONMENT
   OMPI_ALLOW_RUN_AS_ROOT=1
   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   OMPI_MCA_rmaps_base_oversubscribe=1
+  OMPI_MCA_mpi_yield_when_idle=1
   OPENBLAS_NUM_THREADS=1
   OMP_NUM_THREADS=${KokkosMoE_TEST_OMP_THREADS}
   OMP_PROC_BIND=false

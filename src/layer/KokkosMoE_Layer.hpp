@@ -117,6 +117,7 @@ template <class T = float, class ExecutionSpace = Kokkos::DefaultExecutionSpace,
           class MemorySpace = typename ExecutionSpace::memory_space>
 class MoELayer {
  public:
+  using value_type = T;
   using exec_space = ExecutionSpace;
   using memory_space = MemorySpace;
   using weights_type = Experts::ExpertWeights<T, MemorySpace>;
@@ -149,6 +150,10 @@ class MoELayer {
 
   LayerConfig const& config() const { return config_; }
   Placement const& placement() const { return placement_; }
+  /// \brief This rank's routed expert weights (load a checkpoint into them
+  /// between forwards).
+  weights_type& routed_weights() { return routed_; }
+  weights_type const& routed_weights() const { return routed_; }
   Router<MemorySpace>& router() { return router_; }
   Topology::CommunicatorSet const& communicators() const { return *comms_; }
 

@@ -1,3 +1,5 @@
+#include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Digest.hpp>
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Report.hpp>
 #include <KokkosMoE_config.hpp>
@@ -44,6 +46,13 @@ void make_parents(std::string const& path) {
   }
 }
 }  // namespace
+
+std::string ranks_digest(MPI_Comm comm, void const* data, std::size_t bytes, double watchdog_seconds) {
+  std::string const mine(static_cast<char const*>(data), bytes);
+  std::uint64_t d = 0x9E3779B97F4A7C15ULL;
+  for (auto const& rows : allgather_strings(comm, mine, watchdog_seconds)) d = digest_bytes(rows.data(), rows.size(), d);
+  return digest_hex(d);
+}
 
 void write_text_file(std::string const& path, std::string const& text) {
   make_parents(path);

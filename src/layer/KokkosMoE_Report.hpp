@@ -6,6 +6,9 @@
 /// their HDF5 file: one dataset per series under /steps, string attributes
 /// on the root group. Written by one rank.
 
+#include <mpi.h>
+
+#include <cstddef>
 #include <map>
 #include <string>
 #include <vector>
@@ -44,6 +47,11 @@ void write_series_hdf5(std::string const& path, StepSeries const& series, std::m
 /// complete, so a reader never sees a half-written file and a failure leaves
 /// the previous one. Throws Error naming the path on failure.
 void write_text_file(std::string const& path, std::string const& text);
+
+/// \brief Collective over comm: a content digest (16 hex digits) of every
+/// rank's `bytes` bytes at `data`, in rank order; the same on every rank (the
+/// output_digest of reports: equal digests, bitwise equal outputs).
+std::string ranks_digest(MPI_Comm comm, void const* data, std::size_t bytes, double watchdog_seconds);
 
 }  // namespace KokkosMoE
 

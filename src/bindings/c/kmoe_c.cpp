@@ -1,0 +1,561 @@
+// The C interface (kmoe.h) over the C++ layer: every entry point catches
+// every exception, keeps its message for kmoe_last_error(), and returns a
+// status. Collective entry points check their arguments on every rank and
+// agree on the outcome before any collective work, so a problem on one rank
+// is the same error on all of them.
+
+#include <kmoe.h>
+
+#include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_Deck.hpp>
+#include <KokkosMoE_Digest.hpp>
+#include <KokkosMoE_Eplb.hpp>
+#include <KokkosMoE_Layer.hpp>
+#include <KokkosMoE_LayerSetup.hpp>
+#include <KokkosMoE_Report.hpp>
+#include <KokkosMoE_Version.hpp>
+#include <KokkosMoE_config.hpp>
+
+#include <Kokkos_Core.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <variant>
+
+namespace {
+
+using namespace KokkosMoE;
+using Exec = Kokkos::DefaultExecutionSpace;
+using MS = Exec::memory_space;
+using json = nlohmann::json;
+
+thread_local std::string last_error;
+bool started_mpi = false;
+bool started_kokkos = false;
+bool initialized = false;
+
+/// A failure with the status the C caller gets.
+struct Failure {
+  kmoe_status status;
+  std::string message;
+};
+
+/// Runs f, turning every exception into a status and the last error (a
+/// library exception from phase `phase`: KMOE_ERROR_INPUT while reading and
+/// building, KMOE_ERROR_RUNTIME while running).
+template <class F>
+kmoe_status guarded(kmoe_status phase, F&& f) {
+  try {
+    std::forward<F>(f)();
+    last_error.clear();
+    return KMOE_SUCCESS;
+  } catch (Failure const& e) {
+    last_error = e.message;
+    return e.status;
+  } catch (std::exception const& e) {
+    last_error = e.what();
+    return phase;
+  } catch (...) {
+    last_error = "unknown exception";
+    return phase;
+  }
+}
+
+[[noreturn]] void fail(kmoe_status s, std::string message) { throw Failure{s, std::move(message)}; }
+
+void require_initialized(char const* call) {
+  if (!initialized)
+    fail(KMOE_ERROR_NOT_INITIALIZED, std::string(call) + ": KokkosMoE is not initialized (call kmoe_initialize first)");
+}
+
+/// Collective over comm: every rank's argument problem ("" for none);
+/// any problem becomes the same KMOE_ERROR_INVALID_ARGUMENT on every rank.
+void agree_arguments(MPI_Comm comm, std::string const& problem, char const* call, double watchdog) {
+  try {
+    agree(comm, problem, call, watchdog);
+  } catch (std::exception const& e) {
+    fail(KMOE_ERROR_INVALID_ARGUMENT, e.what());
+  }
+}
+
+std::string deck_text(kmoe_layer_config const& c) {
+  std::ostringstream os;
+  auto quoted = [](char const* s, char const* def) { return std::string("\"") + (s ? s : def) + "\""; };
+  os << "[run]\nseed = " << c.seed << "\n";
+  os << "[model]\nhidden = " << c.hidden << "\nexperts = " << c.experts << "\ntop_k = " << c.top_k << "\nffn = " << c.ffn
+     << "\nshared_experts = " << c.shared_experts << "\ndtype = " << (c.dtype == KMOE_BF16 ? "\"bf16\"" : "\"fp32\"") << "\n";
+  os << "[tokens]\nper_rank = " << c.tokens_per_rank << "\n";
+  os << "[router]\nscore = " << quoted(c.score, "softmax") << "\n";
+  os << "[exchange]\nalgorithm = " << quoted(c.algorithm, "flat") << "\ntransport = " << quoted(c.transport, "mpi") << "\n";
+  if (c.nodes > 0)
+    os << "[topology]\nlayout = \"virtual\"\nnodes = " << c.nodes << "\n";
+  else
+    os << "[topology]\nlayout = \"hwloc\"\n";
+  return os.str();
+}
+
+int dtype_size(kmoe_dtype t) { return t == KMOE_BF16 ? 2 : 4; }
+char const* dtype_name(kmoe_dtype t) { return t == KMOE_BF16 ? "bf16" : "fp32"; }
+
+}  // namespace
+
+/// The layer behind the handle: its deck, run objects and the C++ layer of
+/// the deck's dtype.
+struct kmoe_layer {
+  MPI_Comm comm = MPI_COMM_NULL;  ///< the caller's communicator, duplicated
+  LayerDeck deck;
+  Setup::Run run;
+  std::unique_ptr<MoELayer<float, Exec, MS>> fp32;
+  std::unique_ptr<MoELayer<bf16_t, Exec, MS>> bf16;
+  StepRecord last;
+  bool has_last = false;
+
+  kmoe_dtype dtype() const { return bf16 ? KMOE_BF16 : KMOE_FP32; }
+  double watchdog() const { return deck.exchange.watchdog_seconds; }
+  int rank() const { return comm_rank(comm); }
+
+  template <class F>
+  decltype(auto) visit(F&& f) {
+    if (bf16) return f(*bf16);
+    return f(*fp32);
+  }
+};
+
+namespace {
+
+/// Builds the layer of `deck` on `comm` (a duplicate of the caller's
+/// communicator that the handle then owns; freed here on failure).
+kmoe_status create(LayerDeck deck, MPI_Comm comm, kmoe_layer** out) {
+  auto layer = std::make_unique<kmoe_layer>();
+  layer->comm = comm;
+  kmoe_status const st = guarded(KMOE_ERROR_INPUT, [&] {
+    if (!Exchange::transport_available(deck.exchange.transport))
+      fail(KMOE_ERROR_UNAVAILABLE, Exchange::transport_unavailable_reason(deck.exchange.transport));
+    layer->deck = std::move(deck);
+    auto const& d = layer->deck;
+    layer->run = Setup::make_run(d, layer->comm);
+    Exec exec;
+    int const rank = layer->rank();
+    if (d.model.dtype == "bf16") {
+      layer->bf16 = std::make_unique<MoELayer<bf16_t, Exec, MS>>(
+          layer->run.config, *layer->run.comms, layer->run.placement, Setup::router_weight<bf16_t, MS>(d),
+          Setup::routed_weights<bf16_t, MS>(exec, d, layer->run, rank, layer->comm), Setup::shared_weights<bf16_t, MS>(exec, d));
+    } else {
+      layer->fp32 = std::make_unique<MoELayer<float, Exec, MS>>(
+          layer->run.config, *layer->run.comms, layer->run.placement, Setup::router_weight<float, MS>(d),
+          Setup::routed_weights<float, MS>(exec, d, layer->run, rank, layer->comm), Setup::shared_weights<float, MS>(exec, d));
+    }
+  });
+  if (st != KMOE_SUCCESS) {
+    std::string const message = last_error;
+    layer->fp32.reset();
+    layer->bf16.reset();
+    layer->run = Setup::Run();
+    MPI_Comm_free(&layer->comm);
+    last_error = message;
+    return st;
+  }
+  *out = layer.release();
+  return KMOE_SUCCESS;
+}
+
+/// The creation of a layer: arguments agreed and the deck read on a
+/// duplicate of the caller's communicator (the handle's own: its messages
+/// never meet the caller's), then the layer built on it.
+template <class ReadDeck>
+kmoe_status create_with(char const* call, MPI_Comm comm, kmoe_layer** layer, std::string const& problem, ReadDeck&& read) {
+  if (!initialized) {
+    last_error = std::string(call) + ": KokkosMoE is not initialized (call kmoe_initialize first)";
+    return KMOE_ERROR_NOT_INITIALIZED;
+  }
+  MPI_Comm dup = MPI_COMM_NULL;
+  if (MPI_Comm_dup(comm, &dup) != MPI_SUCCESS) {
+    last_error = std::string(call) + ": MPI_Comm_dup of the given communicator failed";
+    return KMOE_ERROR_INVALID_ARGUMENT;
+  }
+  LayerDeck deck;
+  kmoe_status const st = guarded(KMOE_ERROR_INPUT, [&] {
+    agree_arguments(dup, problem, call, 300.0);
+    deck = read(dup);
+  });
+  if (st != KMOE_SUCCESS) {
+    MPI_Comm_free(&dup);
+    return st;
+  }
+  return create(std::move(deck), dup, layer);
+}
+
+kmoe_status create_from_deck(char const* deck_path, MPI_Comm comm, kmoe_layer** layer) {
+  std::string problem;
+  if (!deck_path) problem = "kmoe_layer_create_from_deck: deck_path is NULL";
+  else if (!layer) problem = "kmoe_layer_create_from_deck: the layer pointer is NULL";
+  return create_with("kmoe_layer_create_from_deck", comm, layer, problem,
+                     [&](MPI_Comm c) { return read_layer_deck(c, deck_path); });
+}
+
+kmoe_status create_from_config(kmoe_layer_config const* config, MPI_Comm comm, kmoe_layer** layer) {
+  std::string problem;
+  if (!config) problem = "kmoe_layer_create: config is NULL";
+  else if (!layer) problem = "kmoe_layer_create: the layer pointer is NULL";
+  else if (config->dtype != KMOE_FP32 && config->dtype != KMOE_BF16)
+    problem = "kmoe_layer_create: dtype " + std::to_string(static_cast<int>(config->dtype)) + " is neither KMOE_FP32 nor KMOE_BF16";
+  return create_with("kmoe_layer_create", comm, layer, problem,
+                     [&](MPI_Comm c) { return parse_layer_deck("kmoe_layer_config", deck_text(*config), comm_size(c)); });
+}
+
+}  // namespace
+
+extern "C" {
+
+kmoe_layer_config kmoe_layer_config_default(void) {
+  kmoe_layer_config c;
+  c.hidden = 64;
+  c.experts = 8;
+  c.top_k = 2;
+  c.ffn = 128;
+  c.shared_experts = 0;
+  c.dtype = KMOE_FP32;
+  c.tokens_per_rank = 64;
+  c.algorithm = nullptr;
+  c.transport = nullptr;
+  c.score = nullptr;
+  c.nodes = 0;
+  c.seed = 1234;
+  return c;
+}
+
+kmoe_status kmoe_initialize(int* argc, char*** argv) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    if (initialized) return;
+    int mpi = 0;
+    MPI_Initialized(&mpi);
+    if (!mpi) {
+      int provided = 0;
+      if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+        fail(KMOE_ERROR_RUNTIME, "kmoe_initialize: MPI_Init_thread failed");
+      started_mpi = true;
+    }
+    if (!Kokkos::is_initialized()) {
+      int dummy_argc = 0;
+      char** dummy_argv = nullptr;
+      Kokkos::initialize(argc ? *argc : dummy_argc, argv ? *argv : dummy_argv);
+      started_kokkos = true;
+    }
+    initialized = true;
+  });
+}
+
+kmoe_status kmoe_finalize(void) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_finalize");
+    if (started_kokkos) Kokkos::finalize();
+    if (started_mpi) MPI_Finalize();
+    started_kokkos = started_mpi = false;
+    initialized = false;
+  });
+}
+
+int kmoe_is_initialized(void) { return initialized ? 1 : 0; }
+
+const char* kmoe_last_error(void) { return last_error.c_str(); }
+
+const char* kmoe_version(void) { return KOKKOSMOE_VERSION_STRING; }
+
+const char* kmoe_build_configuration(void) {
+  static std::string const text = [] {
+    json j;
+    j["version"] = KOKKOSMOE_VERSION_STRING;
+    j["git_hash"] = KOKKOSMOE_GIT_HASH;
+    j["kokkos_flavor"] = KOKKOSMOE_KOKKOS_FLAVOR;
+    j["kokkos_execution_space"] = Exec::name();
+    j["kokkos_kernels"] = have_kokkos_kernels();
+    j["hdf5"] = KOKKOSMOE_HAVE_HDF5_CMAKE == 1;
+    j["nccl"] = KOKKOSMOE_HAVE_NCCL_CMAKE == 1;
+    j["cublas"] = KOKKOSMOE_HAVE_CUBLAS_CMAKE == 1;
+    j["summary"] = build_summary();
+    return j.dump();
+  }();
+  return text.c_str();
+}
+
+kmoe_status kmoe_layer_create_from_deck(const char* deck_path, MPI_Comm comm, kmoe_layer** layer) {
+  return create_from_deck(deck_path, comm, layer);
+}
+
+kmoe_status kmoe_layer_create_from_deck_f(const char* deck_path, MPI_Fint comm, kmoe_layer** layer) {
+  return create_from_deck(deck_path, MPI_Comm_f2c(comm), layer);
+}
+
+kmoe_status kmoe_layer_create(const kmoe_layer_config* config, MPI_Comm comm, kmoe_layer** layer) {
+  return create_from_config(config, comm, layer);
+}
+
+kmoe_status kmoe_layer_create_f(const kmoe_layer_config* config, MPI_Fint comm, kmoe_layer** layer) {
+  return create_from_config(config, MPI_Comm_f2c(comm), layer);
+}
+
+kmoe_status kmoe_layer_destroy(kmoe_layer* layer) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_destroy");
+    if (!layer) return;
+    std::unique_ptr<kmoe_layer> owned(layer);
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) {
+      (void)owned.release();  // its communicators cannot be freed any more
+      fail(KMOE_ERROR_RUNTIME, "kmoe_layer_destroy: MPI is already finalized; destroy layers before MPI_Finalize");
+    }
+    MPI_Comm comm = owned->comm;
+    owned.reset();  // the layer's communicators are freed collectively
+    MPI_Comm_free(&comm);
+  });
+}
+
+kmoe_status kmoe_layer_check(kmoe_layer* layer, int ok, const char* message) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_check");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_check: layer is NULL");
+    std::string problem;
+    if (!ok) problem = std::string(message && *message ? message : "arguments refused") + " (rank " + std::to_string(layer->rank()) + ")";
+    agree_arguments(layer->comm, problem, "arguments of a collective call", layer->watchdog());
+  });
+}
+
+kmoe_status kmoe_report_error(kmoe_status status, const char* message) {
+  last_error = message ? message : "";
+  return status;
+}
+
+kmoe_status kmoe_layer_shape(const kmoe_layer* layer, int64_t* hidden, int32_t* experts, int32_t* top_k, kmoe_dtype* dtype,
+                             int64_t* tokens_per_rank) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_shape");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_shape: layer is NULL");
+    if (hidden) *hidden = layer->deck.model.hidden;
+    if (experts) *experts = layer->deck.model.experts;
+    if (top_k) *top_k = layer->deck.model.top_k;
+    if (dtype) *dtype = layer->dtype();
+    if (tokens_per_rank) *tokens_per_rank = Setup::tokens_per_rank(layer->deck);
+  });
+}
+
+kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t tokens, int64_t hidden_dim, kmoe_dtype dtype,
+                               kmoe_memory memory, void* out) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_forward");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_forward: layer is NULL");
+    std::ostringstream problem;
+    int64_t const d = layer->deck.model.hidden;
+    constexpr bool host_space = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
+    if (tokens < 0) problem << "kmoe_layer_forward: tokens = " << tokens << " is negative";
+    else if (tokens > 0 && (!hidden || !out)) problem << "kmoe_layer_forward: " << (!hidden ? "hidden" : "out") << " is NULL";
+    else if (hidden_dim != d) problem << "kmoe_layer_forward: rows of " << hidden_dim << " elements, the layer's hidden width is " << d;
+    else if (dtype != layer->dtype())
+      problem << "kmoe_layer_forward: " << (dtype == KMOE_BF16 ? "bf16" : dtype == KMOE_FP32 ? "fp32" : "unknown") << " rows, the layer computes in "
+              << dtype_name(layer->dtype());
+    else if (memory != KMOE_HOST && memory != KMOE_DEVICE) problem << "kmoe_layer_forward: memory " << static_cast<int>(memory) << " is neither KMOE_HOST nor KMOE_DEVICE";
+    else if (memory == KMOE_DEVICE && host_space) problem << "kmoe_layer_forward: device arrays need a CUDA build (this one runs on " << Exec::name() << ")";
+    if (!problem.str().empty()) problem << " (rank " << layer->rank() << ")";
+    agree_arguments(layer->comm, problem.str(), "kmoe_layer_forward arguments", layer->watchdog());
+    layer->visit([&](auto& l) {
+      using T = typename std::remove_reference_t<decltype(l)>::value_type;
+      Exec exec;
+      RowMatrix<T, MS> in, res;
+      if (memory == KMOE_DEVICE || host_space) {
+        in = RowMatrix<T, MS>(const_cast<T*>(static_cast<T const*>(hidden)), tokens, d);
+        res = RowMatrix<T, MS>(static_cast<T*>(out), tokens, d);
+      } else {
+        in = RowMatrix<T, MS>("kmoe::hidden", tokens, d);
+        res = RowMatrix<T, MS>("kmoe::out", tokens, d);
+        Kokkos::deep_copy(in, Kokkos::View<T const**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<T const*>(hidden), tokens, d));
+      }
+      layer->last = l.forward(exec, in, res);
+      layer->has_last = true;
+      if (memory == KMOE_HOST && !host_space)
+        Kokkos::deep_copy(Kokkos::View<T**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<T*>(out), tokens, d), res);
+      Compat::fence(exec, "kmoe_layer_forward");
+    });
+  });
+}
+
+kmoe_status kmoe_layer_deck_rows(const kmoe_layer* layer, int32_t step, void* hidden, int64_t tokens, int64_t hidden_dim) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_deck_rows");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_deck_rows: layer is NULL");
+    auto const& d = layer->deck;
+    int64_t const T = Setup::tokens_per_rank(d);
+    if (!hidden) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_deck_rows: hidden is NULL");
+    if (step < 0) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_deck_rows: step " + std::to_string(step) + " is negative");
+    if (tokens != T || hidden_dim != d.model.hidden)
+      fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_deck_rows: a " + std::to_string(tokens) + " x " + std::to_string(hidden_dim) +
+                                            " array, the deck gives " + std::to_string(T) + " x " + std::to_string(d.model.hidden));
+    if (d.tokens.source != "router")
+      fail(KMOE_ERROR_INPUT, "kmoe_layer_deck_rows: the deck's tokens come with their routes ([tokens] source = \"" + d.tokens.source +
+                                 "\"); only router-sourced decks give rows for a forward");
+    int const rank = layer->rank();
+    auto fill = [&](auto tag) {
+      using T_ = decltype(tag);
+      auto rows = Setup::hidden_rows<T_, Kokkos::HostSpace>(d, step, Setup::first_token(d, rank), T, rank);
+      std::memcpy(hidden, rows.data(), rows.span() * sizeof(T_));
+    };
+    if (layer->dtype() == KMOE_BF16)
+      fill(bf16_t{});
+    else
+      fill(float{});
+  });
+}
+
+kmoe_status kmoe_layer_digest(kmoe_layer* layer, const void* out, int64_t tokens, int64_t hidden_dim, char digest[17]) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_digest");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_digest: layer is NULL");
+    std::string problem;
+    if (!digest) problem = "kmoe_layer_digest: digest is NULL";
+    else if (tokens < 0 || hidden_dim != layer->deck.model.hidden) problem = "kmoe_layer_digest: a " + std::to_string(tokens) + " x " + std::to_string(hidden_dim) + " array for hidden width " + std::to_string(layer->deck.model.hidden);
+    else if (tokens > 0 && !out) problem = "kmoe_layer_digest: out is NULL";
+    agree_arguments(layer->comm, problem, "kmoe_layer_digest arguments", layer->watchdog());
+    std::size_t const bytes = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(hidden_dim) * dtype_size(layer->dtype());
+    std::string const d = ranks_digest(layer->comm, out, bytes, layer->watchdog());
+    std::memcpy(digest, d.c_str(), 17);
+  });
+}
+
+kmoe_status kmoe_layer_save_weights(kmoe_layer* layer, const char* path) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_save_weights");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_save_weights: layer is NULL");
+    agree_arguments(layer->comm, path ? "" : "kmoe_layer_save_weights: path is NULL", "kmoe_layer_save_weights arguments", layer->watchdog());
+    layer->visit([&](auto& l) { l.routed_weights().save(layer->comm, path, layer->deck.model.experts); });
+  });
+}
+
+kmoe_status kmoe_layer_load_weights(kmoe_layer* layer, const char* path) {
+  return guarded(KMOE_ERROR_INPUT, [&] {
+    require_initialized("kmoe_layer_load_weights");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_load_weights: layer is NULL");
+    agree_arguments(layer->comm, path ? "" : "kmoe_layer_load_weights: path is NULL", "kmoe_layer_load_weights arguments", layer->watchdog());
+    layer->visit([&](auto& l) {
+      l.routed_weights().load(layer->comm, path,
+                              Experts::LoadContext{layer->run.comms->epoch(), layer->run.placement.generation()});
+    });
+  });
+}
+
+kmoe_status kmoe_layer_last_step(const kmoe_layer* layer, kmoe_step_summary* summary) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_last_step");
+    if (!layer || !summary) fail(KMOE_ERROR_INVALID_ARGUMENT, std::string("kmoe_layer_last_step: ") + (!layer ? "layer" : "summary") + " is NULL");
+    if (!layer->has_last) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_last_step: the layer has not run a forward yet");
+    auto const& r = layer->last;
+    auto const& disp = r.ledger.dispatch;
+    auto sec = [&](char const* k) {
+      auto it = r.seconds.find(k);
+      return it == r.seconds.end() ? 0.0 : it->second;
+    };
+    *summary = kmoe_step_summary{};
+    summary->tokens = r.tokens;
+    summary->routes_attempted = r.routes.attempted;
+    summary->routes_accepted = r.routes.accepted;
+    summary->routes_dropped = r.routes.dropped;
+    summary->dispatch_rows = disp.useful_rows;
+    summary->same_rank_bytes = disp.by_class(Exchange::LinkClass::same_rank).payload_bytes;
+    summary->intra_node_bytes = disp.by_class(Exchange::LinkClass::intra_node).payload_bytes;
+    summary->inter_node_bytes = disp.inter_node_payload_bytes();
+    summary->relay_rows = disp.relay_rows();
+    summary->seconds_total = sec("total");
+    summary->seconds_router = sec("router");
+    summary->seconds_dispatch = sec("dispatch");
+    summary->seconds_experts = sec("experts");
+    summary->seconds_combine_exchange = sec("combine_exchange");
+    summary->seconds_combine = sec("combine");
+    summary->seconds_shared_experts = sec("shared_experts");
+  });
+}
+
+namespace {
+kmoe_status copy_out(std::string const& text, char* buffer, size_t size, size_t* needed, char const* call) {
+  if (needed) *needed = text.size() + 1;
+  if (!buffer) return KMOE_SUCCESS;  // a size query
+  if (size < text.size() + 1)
+    fail(KMOE_ERROR_BUFFER_TOO_SMALL, std::string(call) + ": the buffer holds " + std::to_string(size) + " bytes, the text needs " +
+                                          std::to_string(text.size() + 1));
+  std::memcpy(buffer, text.c_str(), text.size() + 1);
+  return KMOE_SUCCESS;
+}
+}  // namespace
+
+kmoe_status kmoe_layer_last_step_json(const kmoe_layer* layer, char* buffer, size_t size, size_t* needed) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_last_step_json");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_last_step_json: layer is NULL");
+    if (!layer->has_last) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_last_step_json: the layer has not run a forward yet");
+    auto const& r = layer->last;
+    json j;
+    j["algorithm"] = r.algorithm;
+    j["transport"] = r.transport;
+    j["schedule"] = r.schedule;
+    j["tokens"] = r.tokens;
+    j["routes"] = {{"attempted", r.routes.attempted}, {"accepted", r.routes.accepted}, {"dropped", r.routes.dropped}};
+    j["seconds"] = r.seconds;
+    j["ledger"] = json::parse(r.ledger.to_json(0));
+    j["experts_path"] = r.experts.path;
+    json tasks = json::array();
+    for (auto const& t : r.tasks) tasks.push_back({{"name", t.name}, {"stream", t.stream}, {"start", t.start}, {"end", t.end}});
+    j["tasks"] = tasks;
+    copy_out(j.dump(), buffer, size, needed, "kmoe_layer_last_step_json");
+  });
+}
+
+kmoe_status kmoe_layer_topology_json(const kmoe_layer* layer, char* buffer, size_t size, size_t* needed) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_topology_json");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_topology_json: layer is NULL");
+    copy_out(layer->run.comms->to_json(0), buffer, size, needed, "kmoe_layer_topology_json");
+  });
+}
+
+kmoe_status kmoe_layer_placement(const kmoe_layer* layer, int32_t* slot_expert, int32_t* slot_rank, int32_t capacity,
+                                 int32_t* num_slots) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_placement");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_placement: layer is NULL");
+    auto const& p = layer->run.placement;
+    int const S = p.num_slots();
+    if (num_slots) *num_slots = S;
+    if (!slot_expert && !slot_rank) return;  // a size query
+    if (capacity < S)
+      fail(KMOE_ERROR_BUFFER_TOO_SMALL, "kmoe_layer_placement: arrays of " + std::to_string(capacity) + " entries for " + std::to_string(S) + " slots");
+    for (int s = 0; s < S; ++s) {
+      if (slot_expert) slot_expert[s] = p.slot(s).expert;
+      if (slot_rank) slot_rank[s] = p.slot(s).rank;
+    }
+  });
+}
+
+kmoe_status kmoe_eplb(const double* loads, int32_t num_experts, int32_t num_slots, int32_t num_ranks, int32_t num_nodes, int32_t groups,
+                      int32_t* slot_expert, int32_t* slot_rank) {
+  return guarded(KMOE_ERROR_INPUT, [&] {
+    require_initialized("kmoe_eplb");
+    if (!loads || !slot_expert || !slot_rank)
+      fail(KMOE_ERROR_INVALID_ARGUMENT, std::string("kmoe_eplb: ") + (!loads ? "loads" : !slot_expert ? "slot_expert" : "slot_rank") + " is NULL");
+    if (num_experts < 1 || num_slots < 1 || num_ranks < 1 || num_nodes < 1 || groups < 1)
+      fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_eplb: experts " + std::to_string(num_experts) + ", slots " + std::to_string(num_slots) +
+                                            ", ranks " + std::to_string(num_ranks) + ", nodes " + std::to_string(num_nodes) + ", groups " +
+                                            std::to_string(groups) + " must all be >= 1");
+    PlacementSpec spec;
+    spec.physical_slots = num_slots;
+    spec.ranks = num_ranks;
+    spec.nodes = num_nodes;
+    spec.groups = groups;
+    LayerPlacement const lp = eplb_layer(std::vector<double>(loads, loads + num_experts), spec);
+    for (int s = 0; s < lp.placement.num_slots(); ++s) {
+      slot_expert[s] = lp.placement.slot(s).expert;
+      slot_rank[s] = lp.placement.slot(s).rank;
+    }
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,142 @@
+"""KokkosMoE in Python: expert-parallel Mixture-of-Experts layers.
+
+    import numpy as np
+    import kokkosmoe as km
+
+    layer = km.Layer(deck="inputs/quickstart.toml")        # or km.Layer(hidden=64, experts=8, top_k=2, ...)
+    rows = layer.deck_rows(0)                               # this rank's rows of the deck's first step
+    out = layer.forward(rows)                               # [tokens, hidden] float32 (uint16 for bf16 bits)
+    print(layer.last_step()["seconds"])
+    layer.close()
+
+MPI and Kokkos are started on import unless they run already (mpi4py
+started MPI, say) and stopped at exit. Calls on a layer are collective over
+its communicator (MPI_COMM_WORLD, or the mpi4py communicator given as
+comm=): every rank makes them in the same order. A failed call raises
+kokkosmoe.Error with the library's message and status, on every rank for
+collective calls. NumPy arrays are used in place: C-contiguous float32 rows
+(fp32 layers) or uint16 rows holding bf16 bits (bf16 layers).
+"""
+
+import atexit
+import json
+
+from . import _kokkosmoe as _k
+
+__all__ = ["Error", "Layer", "eplb", "version", "build_configuration", "initialize", "finalize"]
+
+#: Status codes of kmoe.h.
+SUCCESS, INVALID_ARGUMENT, NOT_INITIALIZED, INPUT, RUNTIME, UNAVAILABLE, BUFFER_TOO_SMALL = range(7)
+
+
+class Error(RuntimeError):
+    """A KokkosMoE call failed: the message, and the kmoe.h status."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+_k._set_error_type(Error)
+_layers = []
+
+
+def initialize():
+    """MPI (unless running) and Kokkos (unless running); done on import."""
+    _k.initialize()
+
+
+def finalize():
+    """Closes every open layer, then stops what initialize() started."""
+    for ref in list(_layers):
+        layer = ref
+        if layer is not None:
+            layer.close()
+    _layers.clear()
+    if _k.is_initialized():
+        _k.finalize()
+
+
+def version():
+    return _k.version()
+
+
+def build_configuration():
+    """The build as a dict (version, git hash, Kokkos, HDF5, NCCL, cuBLAS)."""
+    return json.loads(_k.build_configuration_json())
+
+
+def eplb(loads, slots, ranks, nodes=1, groups=1):
+    """EPLB placement of len(loads) experts on `slots` slots over `ranks`
+    ranks on `nodes` nodes: (slot_expert, slot_rank) arrays."""
+    return _k.eplb(loads, slots, ranks, nodes, groups)
+
+
+class Layer:
+    """An MoE layer on the ranks of `comm` (None: MPI_COMM_WORLD; an mpi4py
+    communicator otherwise), from a deck file or from keywords: hidden,
+    experts, top_k, ffn, shared_experts, dtype ("fp32", "bf16"),
+    tokens_per_rank, algorithm, transport, score, nodes (virtual nodes; 0:
+    the machine's), seed."""
+
+    def __init__(self, deck=None, comm=None, **config):
+        if deck is not None and config:
+            raise TypeError("Layer: give a deck or keywords, not both")
+        self._layer = _k.Layer.from_deck(str(deck), comm) if deck is not None else _k.Layer.from_config(config, comm)
+        _layers.append(self)
+
+    def close(self):
+        """Collective: frees the layer (also done at exit)."""
+        if self._layer is not None:
+            self._layer.close()
+            self._layer = None
+        if self in _layers:
+            _layers.remove(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def shape(self):
+        """hidden, experts, top_k, dtype, tokens_per_rank."""
+        return self._layer.shape
+
+    def forward(self, hidden, out=None):
+        """Collective: the layer applied to this rank's rows [tokens, hidden];
+        the result in `out` (same shape and dtype) or a new array."""
+        return self._layer.forward(hidden, out)
+
+    def deck_rows(self, step=0):
+        """This rank's rows of step `step` of the deck."""
+        return self._layer.deck_rows(step)
+
+    def digest(self, rows):
+        """Collective: content digest of every rank's rows (kmoe-layer's output_digest)."""
+        return self._layer.digest(rows)
+
+    def last_step(self):
+        """The last forward on this rank: ledger, stage seconds, tasks (a dict)."""
+        return json.loads(self._layer.last_step_json())
+
+    def topology(self):
+        """Every rank's host, node, relay and peer slots (a dict)."""
+        return json.loads(self._layer.topology_json())
+
+    def placement(self):
+        """(slot_expert, slot_rank) arrays of the placement."""
+        return self._layer.placement()
+
+    def save_weights(self, path):
+        """Collective: the routed experts' weights to an HDF5 file."""
+        self._layer.save_weights(str(path))
+
+    def load_weights(self, path):
+        """Collective: the routed experts' weights from an HDF5 file."""
+        self._layer.load_weights(str(path))
+
+
+initialize()
+atexit.register(finalize)
