@@ -15,9 +15,15 @@
 // to read_gbps, the same run's read bandwidth of a large array, and
 // bw_ratio = weight_gbps / read_gbps. bf16 runs also time the same runner
 // on fp32 weights and rows: vs_fp32 = fp32 time / bf16 time.
+// --backward adds experts_<runner>_backward_<case> (uniform and zipf cases):
+// the experts' backward (dX and the three weight gradients from the
+// forward's saved activations, Experts::Backward; the same backward serves
+// every runner) with ratio = backward time / that runner's forward time
+// (six GEMMs against three: about 2 when both run at GEMM speed).
 
 #include "kmoe_bench_common.hpp"
 
+#include <KokkosMoE_Experts_Backward.hpp>
 #include <KokkosMoE_Experts_Runner.hpp>
 #include <KokkosMoE_Experts_Weights.hpp>
 #include <KokkosMoE_Gemm.hpp>
@@ -144,6 +150,7 @@ int run(int argc, char** argv) {
   std::string decode_rows = "1,4,16";
   index_t rows = 16384, block = 128, alignment = 64, capacity = 0;
   double zipf = 1.2;
+  bool backward = false;
   std::string runners = "grouped,blas,padded,block", cases = "uniform,zipf,decode", dtype = "fp32", isa = "auto",
               kernel = "auto";
   app.add_option("--experts", experts, "local experts L")->check(CLI::PositiveNumber);
@@ -163,6 +170,7 @@ int run(int argc, char** argv) {
   app.add_option("--dtype", dtype, "weights and rows: fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--host-isa", isa, "grouped host micro-kernels: auto, avx512, avx2, generic");
   app.add_option("--grouped-kernel", kernel, "grouped mapping: auto, host_simd, portable");
+  app.add_flag("--backward", backward, "also time the experts' backward (uniform and zipf cases)");
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed repetitions first")->check(CLI::NonNegativeNumber);
   try {
@@ -272,6 +280,23 @@ int run(int argc, char** argv) {
       std::fflush(stdout);
     }
 
+    // The backward of this case (one for every runner), timed once.
+    Timing bwd;
+    Experts::BackwardLedger bledger;
+    if (backward && !decode_case) {
+      auto bench_backward = [&](auto const& w, auto tag) {
+        using T = decltype(tag);
+        RowMatrix<T, MS> X("bench::X", n, d), Y("bench::Y", n, d), dY("bench::dY", n, d), dX("bench::dX", n, d);
+        Kokkos::deep_copy(X, from_float<T>(0.5f));
+        Kokkos::deep_copy(dY, from_float<T>(0.25f));
+        Experts::Backward<Exec, MS> bw;
+        Experts::SavedActivations<MS> saved;
+        Experts::ExpertGradients<MS> grads(w);
+        bw.forward_keep(exec, w, X, offsets, Y, saved);
+        return measure(warmup, reps, [&] { bledger = bw.backward(exec, w, X, offsets, dY, dX, grads, saved); });
+      };
+      bwd = bf16 ? bench_backward(wb, bf16_t{}) : bench_backward(wf, float{});
+    }
     for (std::string const& r : split(runners)) {
       RunnerOptions o;
       o.kind = from_string<Experts::RunnerKind>(r);
@@ -320,6 +345,18 @@ int run(int argc, char** argv) {
         fields.push_back({"bw_ratio", kmoe_bench::fmt(weight_gbps / read_bw)});
       }
       kmoe_bench::print_bench("experts_" + r + (bf16 ? "_bf16_" : "_") + c, fields, gflops / dense_gflops);
+      if (backward && !decode_case) {
+        double const bflops = 12.0 * static_cast<double>(n) * d * dff;
+        kmoe_bench::print_bench("experts_" + r + (bf16 ? "_bf16" : "") + "_backward_" + c,
+                                {{"backward_ms", kmoe_bench::fmt(bwd.wall * 1e3)},
+                                 {"forward_ms", kmoe_bench::fmt(t.wall * 1e3)},
+                                 {"gflops", kmoe_bench::fmt(bflops / bwd.wall * 1e-9)},
+                                 {"dense_gflops", kmoe_bench::fmt(dense_gflops)},
+                                 {"threads", std::to_string(threads)},
+                                 {"launches", std::to_string(bledger.kernel_launches)},
+                                 {"path", bledger.path}},
+                                bwd.wall / t.wall);
+      }
     }
   }
   return 0;

@@ -3,6 +3,8 @@
 # nothing but pkg-config and the MPI compiler wrappers, as a C or Fortran
 # code's own build would.
 #   pkgconfig_consumers.sh <prefix> <work folder> <deck> <mpiexec and its flags...>
+# KMOE_CONSUMER_FLAGS: extra compile and link flags (the sanitizers of a
+# sanitized install, which its consumers must carry too).
 set -euo pipefail
 prefix=$1 work=$2 deck=$3
 shift 3
@@ -12,11 +14,12 @@ pcdir=$(dirname "$(find "$prefix" -name kokkosmoe.pc -print -quit)")
 export PKG_CONFIG_PATH="$pcdir"
 mkdir -p "$work"
 echo "pkg-config kokkosmoe: $(pkg-config --cflags --libs kokkosmoe)"
-mpicc -std=c11 -Wall -Werror "$here/c_consumer.c" $(pkg-config --cflags --libs kokkosmoe) -o "$work/c_consumer"
+flags=(${KMOE_CONSUMER_FLAGS:-})
+mpicc -std=c11 -Wall -Werror "${flags[@]}" "$here/c_consumer.c" $(pkg-config --cflags --libs kokkosmoe) -o "$work/c_consumer"
 "$@" -n 2 "$work/c_consumer"
 if pkg-config --exists kokkosmoe-fortran; then
   echo "pkg-config kokkosmoe-fortran: $(pkg-config --cflags --libs kokkosmoe-fortran)"
-  (cd "$work" && mpifort -Wall -Werror "$here/fortran_consumer.f90" $(pkg-config --cflags --libs kokkosmoe-fortran) \
+  (cd "$work" && mpifort -Wall -Werror "${flags[@]}" "$here/fortran_consumer.f90" $(pkg-config --cflags --libs kokkosmoe-fortran) \
      -o "$work/fortran_consumer")
   "$@" -n 2 "$work/fortran_consumer" "$deck"
 else

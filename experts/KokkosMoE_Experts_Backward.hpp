@@ -1,0 +1,373 @@
+#ifndef KOKKOSMOE_EXPERTS_BACKWARD_HPP
+#define KOKKOSMOE_EXPERTS_BACKWARD_HPP
+
+/// \file KokkosMoE_Experts_Backward.hpp
+/// \brief Backward of the routed SwiGLU experts over expert-major segments:
+/// for y = W2 (silu(W1 x) * (W3 x)) (gate W1 = gate(), up W3 = up(), down
+/// W2 = down()), given dY per row, the input gradient dX and the weight
+/// gradients dW1, dW2, dW3 of every local slot, FP32 accumulation.
+///
+/// Per segment q of rows [b, e) (m rows, X_q [m, d], dY_q [m, d]):
+///
+///     G = X_q W1^T, U = X_q W3^T            (kept by forward_keep, or recomputed)
+///     H = silu(G) * U
+///     dH = dY_q W2                          dW2 += dY_q^T H
+///     dG = dH * U * silu'(G), dU = dH * silu(G)
+///     dX_q = dG W1 + dU W3                  dW1 += dG^T X_q, dW3 += dU^T X_q
+///
+/// with silu'(g) = s (1 + g (1 - s)), s = sigmoid(g). Six GEMMs per segment
+/// (twelve n d d_ff FLOPs over all rows), eight when G and U are recomputed;
+/// every GEMM goes through KokkosMoE::gemm (Kokkos Kernels / BLAS on hosts,
+/// cuBLAS on CUDA when available), the element-wise phases are one kernel
+/// each over all rows. The gradient with respect to every runner's forward
+/// is this one: the grouped, blas, padded and block runners compute the same
+/// function (padding rows carry no gradient), so one backward serves them.
+
+#include <KokkosMoE_Error.hpp>
+#include <KokkosMoE_Experts_Runner.hpp>
+#include <KokkosMoE_Experts_Weights.hpp>
+#include <KokkosMoE_Gemm.hpp>
+#include <KokkosMoE_KokkosCompat.hpp>
+#include <KokkosMoE_Payload.hpp>
+#include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace KokkosMoE {
+namespace Experts {
+
+/// \brief FP32 gradients of a set of local experts, the shapes of their
+/// ExpertWeights: gate and up [L, d_ff, d], down [L, d, d_ff].
+template <class MemorySpace>
+struct ExpertGradients {
+  using tensor_type = Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace>;
+  tensor_type gate, up, down;
+
+  ExpertGradients() = default;
+  /// \brief Zero gradients for L slots of width d and intermediate width d_ff.
+  ExpertGradients(std::string const& label, int L, int d, int d_ff)
+      : gate(label + "::dgate", L, d_ff, d), up(label + "::dup", L, d_ff, d), down(label + "::ddown", L, d, d_ff) {}
+  /// \brief Zero gradients shaped like `weights`.
+  template <class WT>
+  explicit ExpertGradients(ExpertWeights<WT, MemorySpace> const& weights)
+      : ExpertGradients(weights.label() + "::grad", weights.num_slots(), weights.d(), weights.d_ff()) {}
+
+  int num_slots() const { return static_cast<int>(gate.extent(0)); }
+  int d() const { return static_cast<int>(gate.extent(2)); }
+  int d_ff() const { return static_cast<int>(gate.extent(1)); }
+
+  /// \brief Sets every gradient to zero on exec.
+  template <class Exec>
+  void zero(Exec const& exec) {
+    Kokkos::deep_copy(exec, gate, 0.0f);
+    Kokkos::deep_copy(exec, up, 0.0f);
+    Kokkos::deep_copy(exec, down, 0.0f);
+  }
+};
+
+/// \brief The gate and up activations G = X W1^T and U = X W3^T of a forward
+/// ([n, d_ff] FP32 each), kept for the backward.
+template <class MemorySpace>
+struct SavedActivations {
+  RowMatrix<float, MemorySpace> gate, up;
+  bool empty() const { return gate.extent(0) == 0 && gate.data() == nullptr; }
+};
+
+/// \brief Backward options.
+struct BackwardOptions {
+  GemmPath gemm_path = GemmPath::automatic;
+  /// Add the weight gradients to what the gradient tensors hold (several
+  /// micro-batches, or several segments sets into one set of experts);
+  /// otherwise they are overwritten.
+  bool accumulate = false;
+};
+
+/// \brief What a backward executed.
+struct BackwardLedger {
+  std::string path;            ///< e.g. "swiglu[KokkosKernels,recompute]"
+  bool recomputed = false;     ///< G and U recomputed (no saved activations)
+  index_t rows = 0;            ///< rows with a gradient (offsets[L])
+  index_t matmul_flops = 0;    ///< 12 (16 when recomputing) * rows * d * d_ff
+  index_t kernel_launches = 0; ///< GEMM calls and element-wise kernels
+  index_t saved_bytes = 0;     ///< bytes of kept activations used (0 when recomputing)
+};
+
+namespace Impl {
+
+KOKKOS_INLINE_FUNCTION float sigmoid(float g) { return 1.0f / (1.0f + Compat::exp(-g)); }
+
+/// H = silu(G) * U for all rows.
+template <class Exec, class M>
+void swiglu_rows(Exec const& exec, M const& G, M const& U, M const& H) {
+  std::size_t const cols = G.extent(1), total = G.extent(0) * cols;
+  float const* g = G.data();
+  float const* u = U.data();
+  float* h = H.data();
+  Kokkos::parallel_for("KokkosMoE::Experts::backward[swiglu]",
+                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, total), KOKKOS_LAMBDA(std::size_t i) {
+                         float const s = sigmoid(g[i]);
+                         h[i] = g[i] * s * u[i];
+                       });
+}
+
+/// dG = dH * U * silu'(G) (written over G), dU = dH * silu(G) (written over U).
+template <class Exec, class M>
+void swiglu_backward_rows(Exec const& exec, M const& dH, M const& G, M const& U) {
+  std::size_t const total = G.extent(0) * G.extent(1);
+  float const* dh = dH.data();
+  float* g = G.data();
+  float* u = U.data();
+  Kokkos::parallel_for("KokkosMoE::Experts::backward[swiglu']",
+                       Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, total), KOKKOS_LAMBDA(std::size_t i) {
+                         float const x = g[i], s = sigmoid(x);
+                         float const silu = x * s, dsilu = s * (1.0f + x * (1.0f - s));
+                         float const dhv = dh[i];
+                         g[i] = dhv * u[i] * dsilu;
+                         u[i] = dhv * silu;
+                       });
+}
+
+}  // namespace Impl
+
+/// \brief Backward of the routed experts; keeps reusable buffers between
+/// calls (one call at a time per object).
+template <class ExecutionSpace = Kokkos::DefaultExecutionSpace, class MemorySpace = typename ExecutionSpace::memory_space>
+class Backward {
+ public:
+  explicit Backward(BackwardOptions options = BackwardOptions()) : options_(options) {}
+
+  BackwardOptions const& options() const { return options_; }
+
+  /// \brief Y = experts(X) per segment (blas form), keeping G and U in
+  /// `saved` for backward(): the forward of a training step. Same function
+  /// as Runner::run (fp32 accumulation; not bitwise the grouped kernel).
+  template <class WT, class XV, class OffV, class YV>
+  void forward_keep(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, XV const& X, OffV const& offsets,
+                    YV const& Y, SavedActivations<MemorySpace>& saved) {
+    std::vector<index_t> const offs = host_offsets(exec, w, X, offsets, Y, "forward_keep");
+    index_t const n = offs.back();
+    int const d = w.d(), dff = w.d_ff();
+    saved.gate = RowMatrix<float, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::saved_gate"), n, dff);
+    saved.up = RowMatrix<float, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::saved_up"), n, dff);
+    if (n == 0) return;
+    auto Xf = as_float(exec, X, "x");
+    auto H = ws_.template matrix<float>(exec, "h", n, dff);
+    auto Yf = float_target(exec, Y, n, d);
+    Weights32 W;
+    for (int q = 0; q < w.num_slots(); ++q) {
+      auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
+      if (r.first == r.second) continue;
+      slot_weights(exec, w, q, W);
+      auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
+      gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(saved.gate, r, Kokkos::ALL), options_.gemm_path);
+      gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(saved.up, r, Kokkos::ALL), options_.gemm_path);
+    }
+    Impl::swiglu_rows(exec, saved.gate, saved.up, H);
+    for (int q = 0; q < w.num_slots(); ++q) {
+      auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
+      if (r.first == r.second) continue;
+      slot_weights(exec, w, q, W);
+      gemm(exec, 'N', 'T', 1.0f, Kokkos::subview(H, r, Kokkos::ALL), W.down, 0.0f, Kokkos::subview(Yf, r, Kokkos::ALL),
+           options_.gemm_path);
+    }
+    finish_target(exec, Yf, Y);
+    Compat::fence(exec, "KokkosMoE::Experts::Backward::forward_keep");
+  }
+
+  /// \brief dX and the weight gradients from dY (see the file comment).
+  /// \param X, offsets the forward's input rows and segments ([n, d], [L + 1])
+  /// \param dY [n, d] gradient of the forward's output rows (float or bf16_t)
+  /// \param dX [n, d] out: gradient of X (float or bf16_t); not aliasing dY
+  /// \param grads out: weight gradients (overwritten, or added to with
+  ///   BackwardOptions::accumulate)
+  /// \param saved the forward's activations (forward_keep), or empty: recomputed
+  /// Throws Error naming every mismatched extent before any kernel runs.
+  template <class WT, class XV, class OffV, class DYV, class DXV>
+  BackwardLedger backward(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, XV const& X,
+                          OffV const& offsets, DYV const& dY, DXV const& dX, ExpertGradients<MemorySpace>& grads,
+                          SavedActivations<MemorySpace> const& saved = {}) {
+    std::vector<index_t> const offs = host_offsets(exec, w, X, offsets, dX, "backward");
+    int const L = w.num_slots(), d = w.d(), dff = w.d_ff();
+    index_t const n = offs.back();
+    KOKKOSMOE_REQUIRE(dY.extent(0) == X.extent(0) && static_cast<int>(dY.extent(1)) == d,
+                      "Experts::backward: dY is " << dY.extent(0) << "x" << dY.extent(1) << ", X is " << X.extent(0) << "x"
+                                                  << X.extent(1));
+    KOKKOSMOE_REQUIRE(grads.num_slots() == L && grads.d() == d && grads.d_ff() == dff,
+                      "Experts::backward: gradients for " << grads.num_slots() << " slots of " << grads.d() << "x"
+                                                          << grads.d_ff() << ", the experts are " << L << " slots of " << d
+                                                          << "x" << dff);
+    bool const recompute = saved.empty();
+    KOKKOSMOE_REQUIRE(recompute || (static_cast<index_t>(saved.gate.extent(0)) == n && static_cast<int>(saved.gate.extent(1)) == dff &&
+                                    saved.up.extent(0) == saved.gate.extent(0) && saved.up.extent(1) == saved.gate.extent(1)),
+                      "Experts::backward: saved activations are " << saved.gate.extent(0) << "x" << saved.gate.extent(1)
+                                                                  << ", the rows need " << n << "x" << dff);
+    BackwardLedger ledger;
+    ledger.recomputed = recompute;
+    ledger.rows = n;
+    ledger.saved_bytes = recompute ? 0 : static_cast<index_t>(2 * sizeof(float)) * n * dff;
+    ledger.matmul_flops = (recompute ? 16 : 12) * n * static_cast<index_t>(d) * dff;
+    Compat::ScopedRegion region("KokkosMoE::Experts::backward");
+    if (!options_.accumulate) {
+      grads.zero(exec);
+      ledger.kernel_launches += 3;
+    }
+    GemmPath ran = GemmPath::generic;
+    if (n > 0) {
+      auto Xf = as_float(exec, X, "x");
+      auto dYf = as_float(exec, dY, "dy");
+      auto dXf = float_target(exec, dX, n, d);
+      // G and U: copies of the saved ones (overwritten by dG, dU below) or recomputed.
+      auto G = ws_.template matrix<float>(exec, "g", n, dff);
+      auto U = ws_.template matrix<float>(exec, "u", n, dff);
+      auto H = ws_.template matrix<float>(exec, "h", n, dff);
+      auto dH = ws_.template matrix<float>(exec, "dh", n, dff);
+      Weights32 W;
+      if (recompute) {
+        for (int q = 0; q < L; ++q) {
+          auto const r = segment(offs, q);
+          if (r.first == r.second) continue;
+          slot_weights(exec, w, q, W);
+          auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
+          gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(G, r, Kokkos::ALL), options_.gemm_path);
+          gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(U, r, Kokkos::ALL), options_.gemm_path);
+          ledger.kernel_launches += 2;
+        }
+      } else {
+        Kokkos::deep_copy(exec, G, saved.gate);
+        Kokkos::deep_copy(exec, U, saved.up);
+        ledger.kernel_launches += 2;
+      }
+      Impl::swiglu_rows(exec, G, U, H);
+      ledger.kernel_launches += 1;
+      // dH = dY W2 and dW2 += dY^T H, per segment.
+      for (int q = 0; q < L; ++q) {
+        auto const r = segment(offs, q);
+        if (r.first == r.second) continue;
+        slot_weights(exec, w, q, W);
+        auto dYq = Kokkos::subview(dYf, r, Kokkos::ALL);
+        ran = gemm(exec, 'N', 'N', 1.0f, dYq, W.down, 0.0f, Kokkos::subview(dH, r, Kokkos::ALL), options_.gemm_path);
+        gemm(exec, 'T', 'N', 1.0f, dYq, Kokkos::subview(H, r, Kokkos::ALL), 1.0f,
+             Kokkos::subview(grads.down, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+        ledger.kernel_launches += 2;
+      }
+      Impl::swiglu_backward_rows(exec, dH, G, U);  // G <- dG, U <- dU
+      ledger.kernel_launches += 1;
+      // dX = dG W1 + dU W3, dW1 += dG^T X, dW3 += dU^T X, per segment.
+      for (int q = 0; q < L; ++q) {
+        auto const r = segment(offs, q);
+        if (r.first == r.second) continue;
+        slot_weights(exec, w, q, W);
+        auto dGq = Kokkos::subview(G, r, Kokkos::ALL);
+        auto dUq = Kokkos::subview(U, r, Kokkos::ALL);
+        auto dXq = Kokkos::subview(dXf, r, Kokkos::ALL);
+        auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
+        gemm(exec, 'N', 'N', 1.0f, dGq, W.gate, 0.0f, dXq, options_.gemm_path);
+        gemm(exec, 'N', 'N', 1.0f, dUq, W.up, 1.0f, dXq, options_.gemm_path);
+        gemm(exec, 'T', 'N', 1.0f, dGq, Xq, 1.0f, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+        gemm(exec, 'T', 'N', 1.0f, dUq, Xq, 1.0f, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+        ledger.kernel_launches += 4;
+      }
+      finish_target(exec, dXf, dX);
+    }
+    ledger.path = std::string("swiglu[") +
+                  (ran == GemmPath::kokkos_kernels ? "KokkosKernels" : ran == GemmPath::vendor ? "cublas" : "generic") +
+                  (recompute ? ",recompute]" : ",saved]");
+    Compat::fence(exec, "KokkosMoE::Experts::Backward::backward");
+    return ledger;
+  }
+
+ private:
+  using float_matrix = Impl::Unmanaged2D<float, MemorySpace>;
+  using const_float_matrix = Impl::Unmanaged2D<float const, MemorySpace>;
+
+  /// One slot's weights as FP32 matrices (views of fp32 weights, converted
+  /// copies of bf16 ones).
+  struct Weights32 {
+    const_float_matrix gate, up, down;
+  };
+
+  static std::pair<index_t, index_t> segment(std::vector<index_t> const& offs, int q) {
+    return {offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]};
+  }
+
+  template <class WT, class XV, class OffV, class YV>
+  std::vector<index_t> host_offsets(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, XV const& X,
+                                    OffV const& offsets, YV const& Y, char const* call) {
+    static_assert(std::is_same<typename XV::array_layout, Kokkos::LayoutRight>::value &&
+                      std::is_same<typename YV::array_layout, Kokkos::LayoutRight>::value,
+                  "Experts::Backward: rows must be row-major (LayoutRight)");
+    KOKKOSMOE_REQUIRE(w.has_swiglu(), "Experts::" << call << ": '" << w.label() << "' holds no SwiGLU weights");
+    int const L = w.num_slots(), d = w.d();
+    KOKKOSMOE_REQUIRE(static_cast<int>(X.extent(1)) == d && Y.extent(0) == X.extent(0) && static_cast<int>(Y.extent(1)) == d,
+                      "Experts::" << call << ": X is " << X.extent(0) << "x" << X.extent(1) << ", the output is " << Y.extent(0)
+                                  << "x" << Y.extent(1) << ", the experts have d = " << d);
+    KOKKOSMOE_REQUIRE(static_cast<int>(offsets.extent(0)) == L + 1,
+                      "Experts::" << call << ": offsets has " << offsets.extent(0) << " entries, expected L + 1 = " << L + 1);
+    std::vector<index_t> offs(static_cast<std::size_t>(L + 1));
+    Kokkos::View<index_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> h(offs.data(), offs.size());
+    Kokkos::deep_copy(exec, h, offsets);
+    Compat::fence(exec, "KokkosMoE::Experts::Backward: offsets to host");
+    Impl::validate_offsets(offs, static_cast<index_t>(X.extent(0)), L);
+    return offs;
+  }
+
+  template <class V>
+  const_float_matrix as_float(ExecutionSpace const& exec, V const& v, char const* label) {
+    if constexpr (std::is_same<typename V::non_const_value_type, float>::value) {
+      return const_float_matrix(v.data(), v.extent(0), v.extent(1));
+    } else {
+      auto buf = ws_.template matrix<float>(exec, label, static_cast<index_t>(v.extent(0)), v.extent(1));
+      Impl::convert_matrix(exec, v, buf, "KokkosMoE::Experts::Backward[convert rows]");
+      return buf;
+    }
+  }
+
+  template <class V>
+  float_matrix float_target(ExecutionSpace const& exec, V const& v, index_t n, int d) {
+    if constexpr (std::is_same<typename V::non_const_value_type, float>::value) {
+      return float_matrix(v.data(), v.extent(0), v.extent(1));
+    } else {
+      return ws_.template matrix<float>(exec, "out", n, static_cast<std::size_t>(d));
+    }
+  }
+
+  template <class V>
+  void finish_target(ExecutionSpace const& exec, float_matrix const& f, V const& v) {
+    if constexpr (!std::is_same<typename V::non_const_value_type, float>::value)
+      Impl::convert_matrix(exec, f, v, "KokkosMoE::Experts::Backward[convert out]");
+  }
+
+  template <class WT>
+  void slot_weights(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, int q, Weights32& W) {
+    int const d = w.d(), dff = w.d_ff();
+    if constexpr (std::is_same<WT, float>::value) {
+      std::size_t const per = static_cast<std::size_t>(d) * static_cast<std::size_t>(dff) * static_cast<std::size_t>(q);
+      W.gate = const_float_matrix(w.gate().data() + per, dff, d);
+      W.up = const_float_matrix(w.up().data() + per, dff, d);
+      W.down = const_float_matrix(w.down().data() + per, d, dff);
+    } else {
+      auto cg = ws_.template matrix<float>(exec, "wg", dff, static_cast<std::size_t>(d));
+      auto cu = ws_.template matrix<float>(exec, "wu", dff, static_cast<std::size_t>(d));
+      auto cd = ws_.template matrix<float>(exec, "wd", d, static_cast<std::size_t>(dff));
+      Impl::convert_matrix(exec, Kokkos::subview(w.gate(), q, Kokkos::ALL, Kokkos::ALL), cg, "KokkosMoE::Experts::Backward[convert W]");
+      Impl::convert_matrix(exec, Kokkos::subview(w.up(), q, Kokkos::ALL, Kokkos::ALL), cu, "KokkosMoE::Experts::Backward[convert W]");
+      Impl::convert_matrix(exec, Kokkos::subview(w.down(), q, Kokkos::ALL, Kokkos::ALL), cd, "KokkosMoE::Experts::Backward[convert W]");
+      W.gate = cg;
+      W.up = cu;
+      W.down = cd;
+    }
+  }
+
+  BackwardOptions options_;
+  Workspace<MemorySpace> ws_{"KokkosMoE::Experts::Backward"};
+};
+
+}  // namespace Experts
+}  // namespace KokkosMoE
+
+#endif

@@ -1,0 +1,209 @@
+// Expert backward: dX and the gate, up and down weight gradients of the
+// SwiGLU experts against central finite differences of an fp64 evaluation
+// of the same function (fp32 and bf16 weights and rows, empty and 1-row
+// segments), saved activations against recomputed ones, accumulation, and
+// shapes refused before any kernel runs.
+
+#include "kmoe_catch.hpp"
+#include "kmoe_test_util.hpp"
+
+#include <KokkosMoE_Experts_Backward.hpp>
+#include <KokkosMoE_Experts_Runner.hpp>
+#include <KokkosMoE_Experts_Weights.hpp>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace KokkosMoE;
+using namespace KokkosMoE::Experts;
+
+namespace {
+
+using Exec = Kokkos::DefaultExecutionSpace;
+using Mem = Exec::memory_space;
+
+/// The experts' function in fp64 on plain arrays: X [n*d], gate/up
+/// [L*dff*d], down [L*d*dff]; returns sum over rows and columns of R * Y.
+struct Fp64Experts {
+  int L, d, dff;
+  std::vector<index_t> offs;
+  std::vector<double> X, gate, up, down, R;
+
+  double loss() const {
+    double total = 0;
+    std::vector<double> h(static_cast<std::size_t>(dff));
+    for (int q = 0; q < L; ++q)
+      for (index_t r = offs[q]; r < offs[q + 1]; ++r) {
+        for (int j = 0; j < dff; ++j) {
+          double g = 0, u = 0;
+          for (int k = 0; k < d; ++k) {
+            double const x = X[static_cast<std::size_t>(r) * d + k];
+            g += x * gate[(static_cast<std::size_t>(q) * dff + j) * d + k];
+            u += x * up[(static_cast<std::size_t>(q) * dff + j) * d + k];
+          }
+          h[j] = g / (1.0 + std::exp(-g)) * u;
+        }
+        for (int c = 0; c < d; ++c) {
+          double y = 0;
+          for (int j = 0; j < dff; ++j) y += h[j] * down[(static_cast<std::size_t>(q) * d + c) * dff + j];
+          total += R[static_cast<std::size_t>(r) * d + c] * y;
+        }
+      }
+    return total;
+  }
+
+  /// Central difference of loss() in parameter p.
+  double fd(std::vector<double>& p, std::size_t i) {
+    double const keep = p[i], h = 1e-5 * std::max(1.0, std::abs(keep));
+    p[i] = keep + h;
+    double const plus = loss();
+    p[i] = keep - h;
+    double const minus = loss();
+    p[i] = keep;
+    return (plus - minus) / (2 * h);
+  }
+};
+
+template <class V>
+std::vector<double> host_doubles(V const& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  std::vector<double> out(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) out[i] = static_cast<double>(to_float(h.data()[i]));
+  return out;
+}
+
+template <class T>
+RowMatrix<T> random_rows(index_t n, int d, std::mt19937& rng, float scale) {
+  RowMatrix<T> X("X", n, d);
+  auto h = Kokkos::create_mirror_view(X);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  for (index_t i = 0; i < n; ++i)
+    for (int j = 0; j < d; ++j) h(i, j) = from_float<T>(u(rng));
+  Kokkos::deep_copy(X, h);
+  return X;
+}
+
+/// Largest |ours - fd| / (|fd| + floor) over all entries.
+double worst_relative(std::vector<double> const& ours, Fp64Experts& f, std::vector<double>& p, double floor) {
+  double worst = 0;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    double const want = f.fd(p, i);
+    worst = std::max(worst, std::abs(ours[i] - want) / (std::abs(want) + floor));
+  }
+  return worst;
+}
+
+template <class WT, class XT>
+void check_gradients(std::vector<index_t> const& counts, int d, int dff, bool keep) {
+  std::mt19937 rng(11);
+  int const L = static_cast<int>(counts.size());
+  std::vector<int> experts;
+  for (int q = 0; q < L; ++q) experts.push_back(2 * q + 1);
+  ExpertWeights<WT, Mem> w("w", experts, d, dff);
+  w.randomize(Exec(), 5);
+  std::vector<index_t> offs(1, 0);
+  for (index_t c : counts) offs.push_back(offs.back() + c);
+  index_t const n = offs.back();
+  Kokkos::View<index_t*, Mem> offsets("offsets", offs.size());
+  {
+    auto h = Kokkos::create_mirror_view(offsets);
+    for (std::size_t i = 0; i < offs.size(); ++i) h(i) = offs[i];
+    Kokkos::deep_copy(offsets, h);
+  }
+  auto X = random_rows<XT>(n, d, rng, 1.0f);
+  auto dY = random_rows<XT>(n, d, rng, 1.0f);
+  RowMatrix<XT> Y("Y", n, d), dX("dX", n, d);
+  ExpertGradients<Mem> grads(w);
+  Backward<Exec, Mem> bw;
+  SavedActivations<Mem> saved;
+  if (keep) bw.forward_keep(Exec(), w, X, offsets, Y, saved);
+  BackwardLedger const l = bw.backward(Exec(), w, X, offsets, dY, dX, grads, saved);
+  INFO("L = " << L << " d = " << d << " dff = " << dff << " path " << l.path);
+  CHECK(l.recomputed == !keep);
+  CHECK(l.rows == n);
+  CHECK(l.matmul_flops == (keep ? 12 : 16) * n * d * dff);
+
+  Fp64Experts f{L, d, dff, offs, host_doubles(X), host_doubles(w.gate()), host_doubles(w.up()), host_doubles(w.down()),
+                host_doubles(dY)};
+  // bf16 rows and gradients are rounded to 8 bits of mantissa; fp32 ones are not.
+  bool const coarse = std::is_same<XT, bf16_t>::value;
+  double const tol = coarse ? 2e-2 : 2e-4;
+  CHECK(worst_relative(host_doubles(dX), f, f.X, 1.0) <= tol);
+  CHECK(worst_relative(host_doubles(grads.gate), f, f.gate, 1.0) <= 2e-4);
+  CHECK(worst_relative(host_doubles(grads.up), f, f.up, 1.0) <= 2e-4);
+  CHECK(worst_relative(host_doubles(grads.down), f, f.down, 1.0) <= 2e-4);
+  if (keep) {
+    // The kept forward is the experts' function (fp32 rows: to fp32 rounding).
+    RowMatrix<XT> Yr("Yr", n, d);
+    run(Exec(), RunnerOptions{}, w, X, offsets, Yr);
+    auto a = host_doubles(Y), b = host_doubles(Yr);
+    double worst = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / (std::abs(b[i]) + 1.0));
+    CHECK(worst <= (coarse ? 1e-2 : 1e-5));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("expert backward equals finite differences of the fp64 experts", "[experts][backward]") {
+  SECTION("fp32, recomputed activations") { check_gradients<float, float>({3, 0, 1, 5}, 6, 10, false); }
+  SECTION("fp32, saved activations") { check_gradients<float, float>({4, 2, 0}, 7, 9, true); }
+  SECTION("bf16 weights, fp32 rows") { check_gradients<bf16_t, float>({2, 3}, 8, 12, false); }
+  SECTION("bf16 weights and rows") { check_gradients<bf16_t, bf16_t>({1, 4}, 8, 12, true); }
+  SECTION("no rows") { check_gradients<float, float>({0, 0}, 4, 6, false); }
+}
+
+TEST_CASE("saved and recomputed activations give the same bits; accumulation adds", "[experts][backward]") {
+  std::mt19937 rng(3);
+  int const d = 16, dff = 24;
+  ExpertWeights<float, Mem> w("w", {0, 1, 2}, d, dff);
+  w.randomize(Exec(), 9);
+  Kokkos::View<index_t*, Mem> offsets("offsets", 4);
+  {
+    auto h = Kokkos::create_mirror_view(offsets);
+    h(0) = 0, h(1) = 7, h(2) = 7, h(3) = 20;
+    Kokkos::deep_copy(offsets, h);
+  }
+  auto X = random_rows<float>(20, d, rng, 1.0f);
+  auto dY = random_rows<float>(20, d, rng, 1.0f);
+  RowMatrix<float> Y("Y", 20, d), dX1("dX1", 20, d), dX2("dX2", 20, d);
+  Backward<Exec, Mem> bw;
+  SavedActivations<Mem> saved;
+  bw.forward_keep(Exec(), w, X, offsets, Y, saved);
+  ExpertGradients<Mem> g1(w), g2(w);
+  auto const l1 = bw.backward(Exec(), w, X, offsets, dY, dX1, g1);
+  auto const l2 = bw.backward(Exec(), w, X, offsets, dY, dX2, g2, saved);
+  CHECK(l1.path.find("recompute") != std::string::npos);
+  CHECK(l2.path.find("saved") != std::string::npos);
+  CHECK(l2.saved_bytes == 2 * 4 * 20 * dff);
+  CHECK(host_doubles(dX1) == host_doubles(dX2));
+  CHECK(host_doubles(g1.gate) == host_doubles(g2.gate));
+  CHECK(host_doubles(g1.down) == host_doubles(g2.down));
+  // A second backward with accumulate adds the same gradients again.
+  BackwardOptions acc;
+  acc.accumulate = true;
+  Backward<Exec, Mem> bw2(acc);
+  bw2.backward(Exec(), w, X, offsets, dY, dX2, g2, saved);
+  auto once = host_doubles(g1.up), twice = host_doubles(g2.up);
+  double worst = 0;
+  for (std::size_t i = 0; i < once.size(); ++i) worst = std::max(worst, std::abs(twice[i] - 2 * once[i]) / (std::abs(once[i]) + 1e-3));
+  CHECK(worst <= 1e-5);
+}
+
+TEST_CASE("expert backward refuses mismatched shapes before running", "[experts][backward]") {
+  ExpertWeights<float, Mem> w("w", {0, 1}, 8, 12);
+  w.randomize(Exec(), 1);
+  Kokkos::View<index_t*, Mem> offsets("offsets", 3);
+  RowMatrix<float> X("X", 0, 8), dY("dY", 0, 8), dX("dX", 0, 8), bad("bad", 0, 7);
+  Backward<Exec, Mem> bw;
+  ExpertGradients<Mem> wrong("g", 3, 8, 12);
+  CHECK_THROWS_WITH(bw.backward(Exec(), w, X, offsets, dY, dX, wrong), Catch::Matchers::Contains("gradients for 3 slots of 8x12"));
+  ExpertGradients<Mem> g(w);
+  CHECK_THROWS_WITH(bw.backward(Exec(), w, X, offsets, bad, dX, g), Catch::Matchers::Contains("dY is 0x7"));
+  CHECK_THROWS_WITH(bw.backward(Exec(), w, X, Kokkos::View<index_t*, Mem>("o", 2), dY, dX, g),
+                    Catch::Matchers::Contains("offsets has 2 entries, expected L + 1 = 3"));
+  SavedActivations<Mem> saved{RowMatrix<float, Mem>("g", 5, 12), RowMatrix<float, Mem>("u", 5, 12)};
+  CHECK_THROWS_WITH(bw.backward(Exec(), w, X, offsets, dY, dX, g, saved), Catch::Matchers::Contains("saved activations are 5x12"));
+}
