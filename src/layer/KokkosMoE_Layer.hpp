@@ -19,12 +19,14 @@
 #include <KokkosMoE_Combine.hpp>
 #include <KokkosMoE_DispatchPlan.hpp>
 #include <KokkosMoE_Exchange.hpp>
+#include <KokkosMoE_Experts_Backward.hpp>
 #include <KokkosMoE_Experts_Runner.hpp>
 #include <KokkosMoE_Experts_Weights.hpp>
 #include <KokkosMoE_LoadStats.hpp>
 #include <KokkosMoE_Placement.hpp>
 #include <KokkosMoE_RoutePlan.hpp>
 #include <KokkosMoE_Router.hpp>
+#include <KokkosMoE_RouterBackward.hpp>
 #include <KokkosMoE_RowKit.hpp>
 #include <KokkosMoE_Schedule.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
@@ -113,6 +115,31 @@ class StageTimer {
 /// router weight [E, d] and this rank's routed expert weights (its local
 /// slots, in the placement's local slot order) and shared expert weights.
 /// forward() is collective over the EP communicator.
+/// \brief Gradients of a layer's parameters (FP32): this rank's routed
+/// expert slots, the shared experts, and the router weight [E, d] (summed over
+/// the ranks of the EP group, the same bits on every rank).
+template <class MemorySpace>
+struct LayerGradients {
+  Experts::ExpertGradients<MemorySpace> routed, shared;
+  Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace> router;
+};
+
+/// \brief Options of MoELayer::backward.
+struct LayerBackwardOptions {
+  /// The load balance loss added to the objective (its logit gradient joins
+  /// the gates'); none when empty. Pooled over the EP group.
+  std::optional<BalanceLossConfig> balance;
+};
+
+/// \brief What a backward did: the balance loss, and seconds per stage
+/// (recompute: the forward's dispatch, experts and combine again, for the
+/// expert inputs and the per-route outputs the gate gradients need).
+struct BackwardRecord {
+  double balance_loss = 0.0;
+  std::map<std::string, double> seconds;
+  Experts::BackwardLedger experts;
+};
+
 template <class T = float, class ExecutionSpace = Kokkos::DefaultExecutionSpace,
           class MemorySpace = typename ExecutionSpace::memory_space>
 class MoELayer {
@@ -187,6 +214,206 @@ class MoELayer {
     run_step(exec, hidden, table, out, rec, algorithm.value_or(config_.exchange.algorithm), explicit_slot);
     rec.seconds["total"] = total.seconds();
     return rec;
+  }
+
+  /// \brief Backward of the last forward() on hidden: given dOut [T, d]
+  /// (the gradient of the layer's output), writes dX [T, d] and the
+  /// parameter gradients (grads' tensors are allocated when empty, otherwise
+  /// overwritten). Collective over the EP communicator.
+  ///
+  /// Gradients travel the reverse way of the forward: the combine's backward
+  /// gives the gate gradients and the per-route output gradients (gate *
+  /// dOut); those rows cross the dispatch's exchange to the experts (each
+  /// route as its own row, in the forward's send order, so they arrive in
+  /// the forward's expert-major order), the experts' backward runs there, and
+  /// the input gradients come back through the combine's exchange and are
+  /// summed per token. The gate gradients go through the router to the
+  /// logits (with the balance loss when asked), to dX and the router weight.
+  /// The forward's expert inputs and outputs are recomputed (one more
+  /// dispatch, experts and combine), not kept. Flat and hierarchical
+  /// exchanges; the serial schedule's single chunk.
+  BackwardRecord backward(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RowMatrix<T, MemorySpace> const& dOut,
+                          RowMatrix<T, MemorySpace> const& dX, LayerGradients<MemorySpace>& grads,
+                          LayerBackwardOptions const& options = {}) {
+    BackwardRecord rec;
+    Kokkos::Timer total;
+    int const d = config_.hidden, E = config_.router.num_experts;
+    index_t const n = static_cast<index_t>(hidden.extent(0));
+    auto& x = exchange(config_.exchange.algorithm);
+    MPI_Comm ep = comms_->ep().comm();
+    double const watchdog = config_.exchange.watchdog_seconds;
+    auto logits = router_.logits();
+    collective(ep, "MoE layer backward", [&] {
+      KOKKOSMOE_REQUIRE(config_.exchange.algorithm != Exchange::Algorithm::pooled_wave,
+                        "MoE layer backward: the pooled-wave exchange has no backward yet (use flat or hierarchical)");
+      KOKKOSMOE_REQUIRE(static_cast<int>(hidden.extent(1)) == d && dOut.extent(0) == hidden.extent(0) &&
+                            static_cast<int>(dOut.extent(1)) == d && dX.extent(0) == hidden.extent(0) && static_cast<int>(dX.extent(1)) == d,
+                        "MoE layer backward: hidden " << hidden.extent(0) << "x" << hidden.extent(1) << ", dOut " << dOut.extent(0) << "x"
+                                                      << dOut.extent(1) << ", dX " << dX.extent(0) << "x" << dX.extent(1) << ", width " << d);
+      KOKKOSMOE_REQUIRE(table_.num_tokens() == n && static_cast<index_t>(logits.extent(0)) == n,
+                        "MoE layer backward: the last forward routed " << table_.num_tokens() << " tokens, hidden has " << n
+                                                                       << " rows (call forward on the same rows first)");
+    }, watchdog);
+    if (grads.routed.num_slots() != routed_.num_slots() || grads.routed.d() != d) grads.routed = Experts::ExpertGradients<MemorySpace>(routed_);
+    if (shared_ && (grads.shared.num_slots() != shared_->num_slots() || grads.shared.d() != d))
+      grads.shared = Experts::ExpertGradients<MemorySpace>(*shared_);
+    if (static_cast<int>(grads.router.extent(0)) != E || static_cast<int>(grads.router.extent(1)) != d)
+      grads.router = Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace>("KokkosMoE::Layer::router_grad", E, d);
+
+    // Plans of the forward (the serial schedule's one chunk).
+    RoutePlan<MemorySpace> routes;
+    DispatchPlan<MemorySpace> plan;
+    {
+      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "route_plan");
+      routes = make_route_plan(exec, table_, device_placement_, choice_, comms_->global_rank(), 0);
+      plan = make_dispatch_plan(exec, routes, placement_, comms_->ep().peer_order());
+    }
+    index_t const R = routes.size();
+    // Recompute: the expert inputs (kept in h1 until the end), outputs and
+    // activations, and the per-route outputs Z.
+    Experts::SavedActivations<MemorySpace> saved;
+    auto returned = payload_buffer(work_, exec, "bwd_returned", config_.exchange.return_payload, d, plan.rows());
+    Exchange::DispatchHandle<T, MemorySpace> h1;
+    {
+      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "recompute");
+      h1 = x.dispatch(exec, routes, plan, hidden, 0);
+      auto z = work_.template matrix<T>(exec, "bwd_z", h1.rows(), static_cast<std::size_t>(d));
+      backward_.forward_keep(exec, routed_, h1.expert_rows, h1.expert_offsets_d, z, saved);
+      x.combine(exec, h1, z, returned, "");
+    }
+    // Combine backward: gate gradients and the per-route output gradients,
+    // laid out by route (row a of route a) for the gradient dispatch.
+    Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace> dgate("KokkosMoE::Layer::dgate", n, config_.router.top_k);
+    RowMatrix<T, MemorySpace> route_grad;
+    {
+      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine");
+      auto d_out = payload_buffer(work_, exec, "bwd_dout", PayloadType::fp32, d, plan.rows());
+      combine_backward(exec, routes, plan, dOut, returned, d_out, dgate);
+      route_grad = work_.template matrix<T>(exec, "bwd_route_grad", R, static_cast<std::size_t>(d));
+      auto token = routes.token;
+      auto gate = routes.gate;
+      Kokkos::parallel_for(
+          "KokkosMoE::Layer::backward[route rows]", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, R), KOKKOS_LAMBDA(index_t a) {
+            float const g = gate(a);
+            for (int c = 0; c < d; ++c) route_grad(a, c) = from_float<T>(g * to_float(dOut(token(a), c)));
+          });
+    }
+    // The gradient rows cross the dispatch exchange: every route is its own
+    // "token" (same slots, destinations and send order).
+    RoutePlan<MemorySpace> per_route = routes;
+    per_route.num_tokens = R;
+    per_route.top_k = 1;
+    per_route.token = Kokkos::View<int*, MemorySpace>("KokkosMoE::Layer::route_token", R);
+    per_route.kslot = Kokkos::View<int*, MemorySpace>("KokkosMoE::Layer::route_kslot", R);
+    per_route.route_index = Kokkos::View<index_t**, Kokkos::LayoutRight, MemorySpace>("KokkosMoE::Layer::route_index", R, 1);
+    {
+      auto tk = per_route.token;
+      auto ri = per_route.route_index;
+      Kokkos::parallel_for(
+          "KokkosMoE::Layer::backward[route ids]", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, R), KOKKOS_LAMBDA(index_t a) {
+            tk(a) = static_cast<int>(a);
+            ri(a, 0) = a;
+          });
+    }
+    auto returned_grad = payload_buffer(work_, exec, "bwd_returned_grad", config_.exchange.return_payload, d, plan.rows());
+    {
+      Exchange::DispatchHandle<T, MemorySpace> h2;
+      {
+        Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "dispatch");
+        h2 = x.dispatch(exec, per_route, plan, route_grad, 0);
+      }
+      std::string problem;
+      if (h2.expert_offsets != h1.expert_offsets) problem = "the gradient rows arrived in another expert-major order than the forward's";
+      agree(ep, problem, "MoE layer backward", watchdog);
+      auto dxe = work_.template matrix<T>(exec, "bwd_dxe", h2.rows(), static_cast<std::size_t>(d));
+      {
+        Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "experts");
+        rec.experts = backward_.backward(exec, routed_, h1.expert_rows, h1.expert_offsets_d, h2.expert_rows, dxe, grads.routed, saved);
+      }
+      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine_exchange");
+      x.combine(exec, h2, dxe, returned_grad, "");
+    }
+    h1 = {};
+    {
+      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "dispatch_backward");
+      dispatch_backward(exec, routes, plan, returned_grad, dX);
+    }
+    // Router: gate (and balance loss) gradients to the logits, then to dX and
+    // the router weight (summed over the EP group).
+    {
+      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "router");
+      using CMat = Kokkos::View<const float**, Kokkos::LayoutRight, MemorySpace>;
+      auto dlogits = work_.template matrix<float>(exec, "bwd_dlogits", n, static_cast<std::size_t>(E));
+      router_backward(exec, config_.router, CMat(logits), table_, CMat(dgate), dlogits);
+      if (options.balance)
+        rec.balance_loss = balance_loss(exec, config_.router, *options.balance, CMat(logits), table_, ep, dlogits, 1.0f, watchdog).loss;
+      auto dxf = work_.template matrix<float>(exec, "bwd_dx_router", n, static_cast<std::size_t>(d));
+      gemm(exec, 'N', 'N', 1.0f, dlogits, router_weight_, 0.0f, dxf, config_.router_gemm);
+      gemm(exec, 'T', 'N', 1.0f, dlogits, hidden, 0.0f, grads.router, config_.router_gemm);
+      add_rows(exec, dxf, dX);
+      sum_over_ranks(exec, grads.router, ep, watchdog);
+    }
+    if (shared_ && shared_->num_slots() > 0) {
+      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "shared_experts");
+      backward_shared(exec, hidden, dOut, dX, grads.shared);
+    }
+    Compat::fence(exec, "KokkosMoE::Layer::backward");
+    rec.seconds["total"] = total.seconds();
+    return rec;
+  }
+
+  /// dX += the router's share (FP32 rows).
+  void add_rows(ExecutionSpace const& exec, RowMatrix<float, MemorySpace> const& add, RowMatrix<T, MemorySpace> const& dX) {
+    index_t const n = static_cast<index_t>(dX.extent(0));
+    int const d = config_.hidden;
+    Kokkos::parallel_for(
+        "KokkosMoE::Layer::backward[add]", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, n), KOKKOS_LAMBDA(index_t t) {
+          for (int c = 0; c < d; ++c) dX(t, c) = from_float<T>(to_float(dX(t, c)) + add(t, c));
+        });
+  }
+
+  /// g = the sum of every rank's g, reduced to rank 0 in a fixed order and
+  /// broadcast (the same bits everywhere).
+  static void sum_over_ranks(ExecutionSpace const& exec, Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace> const& g, MPI_Comm comm,
+                             double watchdog) {
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), g);
+    std::vector<float> sum(h.size());
+    int rank = 0;
+    MPI_Comm_rank(comm, &rank);
+    (void)watchdog;
+    MPI_Reduce(h.data(), rank == 0 ? sum.data() : nullptr, static_cast<int>(h.size()), MPI_FLOAT, MPI_SUM, 0, comm);
+    if (rank == 0) std::copy(sum.begin(), sum.end(), h.data());
+    MPI_Bcast(h.data(), static_cast<int>(h.size()), MPI_FLOAT, 0, comm);
+    Kokkos::deep_copy(exec, g, h);
+  }
+
+  /// Shared experts: each sees every token; dX += the sum of their input gradients.
+  void backward_shared(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RowMatrix<T, MemorySpace> const& dOut,
+                       RowMatrix<T, MemorySpace> const& dX, Experts::ExpertGradients<MemorySpace>& g) {
+    int const S = shared_->num_slots(), d = config_.hidden;
+    index_t const n = static_cast<index_t>(hidden.extent(0));
+    auto x = work_.template matrix<T>(exec, "bwd_shared_x", n * S, static_cast<std::size_t>(d));
+    auto dy = work_.template matrix<T>(exec, "bwd_shared_dy", n * S, static_cast<std::size_t>(d));
+    for (int s = 0; s < S; ++s) {
+      copy_row_range(exec, x, s * n, hidden, 0, n);
+      copy_row_range(exec, dy, s * n, dOut, 0, n);
+    }
+    Kokkos::View<index_t*, MemorySpace> offsets("KokkosMoE::Layer::shared_offsets", S + 1);
+    {
+      auto h = Kokkos::create_mirror_view(offsets);
+      for (int s = 0; s <= S; ++s) h(s) = s * n;
+      Kokkos::deep_copy(exec, offsets, h);
+    }
+    auto dxs = work_.template matrix<float>(exec, "bwd_shared_dx", n * S, static_cast<std::size_t>(d));
+    backward_.backward(exec, *shared_, x, offsets, dy, dxs, g);
+    Kokkos::parallel_for(
+        "KokkosMoE::Layer::backward[shared]", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, n), KOKKOS_LAMBDA(index_t t) {
+          for (int c = 0; c < d; ++c) {
+            float acc = to_float(dX(t, c));
+            for (int s = 0; s < S; ++s) acc += dxs(s * n + t, c);
+            dX(t, c) = from_float<T>(acc);
+          }
+        });
   }
 
   /// \brief The last route table (from forward()).
@@ -467,6 +694,7 @@ class MoELayer {
   Router<MemorySpace> router_;
   Experts::Runner<ExecutionSpace, MemorySpace> runner_;
   Experts::Runner<ExecutionSpace, MemorySpace> shared_runner_;
+  Experts::Backward<ExecutionSpace, MemorySpace> backward_;
   DevicePlacement<MemorySpace> device_placement_;
   ReplicaChoice<MemorySpace> choice_;
   RouteTable<MemorySpace> table_;
