@@ -116,8 +116,9 @@ class StageTimer {
 /// slots, in the placement's local slot order) and shared expert weights.
 /// forward() is collective over the EP communicator.
 /// \brief Gradients of a layer's parameters (FP32): this rank's routed
-/// expert slots, the shared experts, and the router weight [E, d] (summed over
-/// the ranks of the EP group, the same bits on every rank).
+/// expert slots; the shared experts and the router weight [E, d], which every
+/// rank holds, summed over the ranks of the EP group (the same bits on every
+/// rank).
 template <class MemorySpace>
 struct LayerGradients {
   Experts::ExpertGradients<MemorySpace> routed, shared;
@@ -181,6 +182,8 @@ class MoELayer {
   /// between forwards).
   weights_type& routed_weights() { return routed_; }
   weights_type const& routed_weights() const { return routed_; }
+  /// \brief The shared experts' weights (nullptr without shared experts).
+  weights_type* shared_weights() { return shared_ ? &*shared_ : nullptr; }
   Router<MemorySpace>& router() { return router_; }
   Topology::CommunicatorSet const& communicators() const { return *comms_; }
 
@@ -356,6 +359,10 @@ class MoELayer {
     if (shared_ && shared_->num_slots() > 0) {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "shared_experts");
       backward_shared(exec, hidden, dOut, dX, grads.shared);
+      // Every rank holds the shared experts: their gradient is the EP group's sum.
+      sum_over_ranks(exec, grads.shared.gate, ep, watchdog);
+      sum_over_ranks(exec, grads.shared.up, ep, watchdog);
+      sum_over_ranks(exec, grads.shared.down, ep, watchdog);
     }
     Compat::fence(exec, "KokkosMoE::Layer::backward");
     rec.seconds["total"] = total.seconds();
@@ -374,8 +381,8 @@ class MoELayer {
 
   /// g = the sum of every rank's g, reduced to rank 0 in a fixed order and
   /// broadcast (the same bits everywhere).
-  static void sum_over_ranks(ExecutionSpace const& exec, Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace> const& g, MPI_Comm comm,
-                             double watchdog) {
+  template <class V>
+  static void sum_over_ranks(ExecutionSpace const& exec, V const& g, MPI_Comm comm, double watchdog) {
     auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), g);
     std::vector<float> sum(h.size());
     int rank = 0;
