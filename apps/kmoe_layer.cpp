@@ -11,6 +11,14 @@
 // A run is: setup -> for every step { routes_of_step -> forward of every
 // algorithm -> compare_outputs -> expert_load (and the bias update) } ->
 // print_outputs -> summary (report, time series, PERFORMANCE line).
+//
+// With [run] mode = "train" the layer trains instead (KokkosMoE_Train.hpp):
+// every step a forward, the mean squared error against a teacher layer of
+// the same shape (experts from [train] teacher_seed; its router the
+// student's initial one unless teacher_router = "own"), the backward and an
+// optimizer step; the report's "train" object holds the loss, gradient norm
+// and balance loss per step and the backward's stage seconds, and the run
+// ends with: TRAIN steps=N loss_first=... loss_last=... loss_ratio=...
 
 #include <KokkosMoE_BiasController.hpp>
 #include <KokkosMoE_Collective.hpp>
@@ -18,6 +26,7 @@
 #include <KokkosMoE_Digest.hpp>
 #include <KokkosMoE_LayerSetup.hpp>
 #include <KokkosMoE_Report.hpp>
+#include <KokkosMoE_Train.hpp>
 #include <KokkosMoE_Version.hpp>
 
 #include "kmoe_app.hpp"
@@ -434,6 +443,97 @@ class LayerRun {
   Kokkos::Timer timer_;
 };
 
+/// [run] mode = "train": the student (the deck's layer) against a teacher.
+int train(LayerDeck const& deck, Options const& opt) {
+  MPI_Comm const world = MPI_COMM_WORLD;
+  int const rank = comm_rank(world), size = comm_size(world);
+  Exec exec;
+  Setup::Run setup = Setup::make_run(deck, world);
+  LayerDeck teacher_deck = deck;
+  teacher_deck.run.seed = deck.train.teacher_seed != 0 ? deck.train.teacher_seed : deck.run.seed + 1;
+  teacher_deck.experts.weights.clear();  // the teacher's own random weights
+  auto student_router = Setup::router_weight<float, MS>(deck);
+  MoELayer<float, Exec, MS> student(setup.config, *setup.comms, setup.placement, student_router,
+                                    Setup::routed_weights<float, MS>(exec, deck, setup, rank, world), Setup::shared_weights<float, MS>(exec, deck));
+  // The teacher routes like the untrained student (a copy of its router
+  // weight) unless [train] teacher_router = "own": its experts are its own.
+  RowMatrix<float, MS> teacher_router("kmoe-layer::teacher_router", student_router.extent(0), student_router.extent(1));
+  Kokkos::deep_copy(teacher_router, deck.train.teacher_router == "own" ? Setup::router_weight<float, MS>(teacher_deck) : student_router);
+  MoELayer<float, Exec, MS> teacher(setup.config, *setup.comms, setup.placement, teacher_router,
+                                    Setup::routed_weights<float, MS>(exec, teacher_deck, setup, rank, world),
+                                    Setup::shared_weights<float, MS>(exec, teacher_deck));
+  TrainConfig tc;
+  tc.optimizer = deck.train.optimizer;
+  tc.learning_rate = deck.train.learning_rate;
+  tc.schedule = deck.train.schedule;
+  tc.total_steps = opt.steps >= 0 ? opt.steps : deck.run.steps;
+  if (deck.train.balance_alpha > 0) {
+    tc.balance = BalanceLossConfig{};
+    tc.balance->alpha = deck.train.balance_alpha;
+  }
+  Trainer<Exec, MS> trainer(student, teacher, student_router, tc);
+  int const steps = opt.steps >= 0 ? opt.steps : deck.run.steps;
+  index_t const tokens = Setup::tokens_per_rank(deck), first = Setup::first_token(deck, rank);
+  double const watchdog = deck.exchange.watchdog_seconds;
+  if (rank == 0)
+    std::cout << "train: " << size << " rank(s), " << tokens << " tokens per rank, " << steps << " steps, " << tc.optimizer
+              << " learning rate " << tc.learning_rate << ", teacher seed " << teacher_deck.run.seed << " (router: "
+              << (deck.train.teacher_router == "own" ? "its own" : "the student's initial") << ")"
+              << (tc.balance ? ", balance loss alpha " + std::to_string(tc.balance->alpha) : std::string()) << "\n";
+  std::vector<double> loss, norm, balance, forward_s;
+  std::map<std::string, double> backward_s;
+  int const every = std::max(1, steps / 10);
+  Kokkos::Timer timer;
+  for (int step = 0; step < steps; ++step) {
+    kmoe_app::fault_point(rank, step);
+    auto hidden = Setup::hidden_rows<float, MS>(deck, step, first, tokens, rank);
+    TrainStepRecord const r = trainer.step(exec, hidden);
+    loss.push_back(r.loss);
+    norm.push_back(r.grad_norm);
+    balance.push_back(r.balance_loss);
+    forward_s.push_back(r.forward_seconds);
+    for (auto const& [k, v] : slowest(r.backward.seconds, world, watchdog)) backward_s[k] += v / std::max(1, steps);
+    if (rank == 0 && ((step + 1) % every == 0 || step == 0)) {
+      std::printf("train: step %d/%d loss %.6g grad_norm %.4g%s (%.1f s)\n", step + 1, steps, r.loss, r.grad_norm,
+                  tc.balance ? (" balance " + std::to_string(r.balance_loss)).c_str() : "", timer.seconds());
+      std::fflush(stdout);
+    }
+  }
+  double const first_loss = loss.empty() ? 0.0 : loss.front(), last_loss = loss.empty() ? 0.0 : loss.back();
+  double const ratio = first_loss > 0 ? last_loss / first_loss : 0.0;
+  json report;
+  report["build"] = build_summary();
+  report["deck"] = deck.path;
+  report["resolved_deck"] = deck.resolved();
+  report["mode"] = "train";
+  report["ranks"] = size;
+  report["tokens_per_rank"] = tokens;
+  report["steps"] = steps;
+  report["train"] = {{"optimizer", tc.optimizer},
+                     {"learning_rate", tc.learning_rate},
+                     {"schedule", tc.schedule},
+                     {"teacher_seed", teacher_deck.run.seed},
+                     {"teacher_router", deck.train.teacher_router},
+                     {"loss", loss},
+                     {"grad_norm", norm},
+                     {"balance_loss", balance},
+                     {"forward_seconds", forward_s},
+                     {"backward_seconds_mean", backward_s},
+                     {"loss_ratio", ratio}};
+  collective(world, "writing the report", [&] {
+    std::string const path = opt.report.empty() ? deck.run.report : opt.report;
+    if (rank != 0 || path.empty()) return;
+    write_text_file(path, report.dump(2) + "\n");
+    std::cout << "report: " << path << "\n";
+  }, watchdog);
+  if (rank == 0) {
+    std::printf("TRAIN steps=%d ranks=%d optimizer=%s loss_first=%.6g loss_last=%.6g loss_ratio=%.4f backward_s=%.4g\n", steps, size,
+                tc.optimizer.c_str(), first_loss, last_loss, ratio, backward_s.count("total") ? backward_s.at("total") : 0.0);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char* argv[]) {
@@ -463,6 +563,7 @@ int main(int argc, char* argv[]) {
       print_kokkos_configuration(std::cout);
       std::cout << deck.resolved() << std::flush;
     }
+    if (deck.run.mode == "train") return train(deck, opt);
     if (deck.model.dtype == "bf16") return LayerRun<bf16_t>(deck, opt).run();
     return LayerRun<float>(deck, opt).run();
   });

@@ -8,7 +8,9 @@ steps.
 
 Needs Debian's python3-matplotlib (and python3-h5py for the time series).
 Writes stage_breakdown.png, ledger_bytes.png, schedule.png and, with the HDF5 file,
-drops_and_load.png; prints the paths it wrote.
+drops_and_load.png; for a training run ([run] mode = "train"), loss_curve.png
+(loss, gradient norm and balance loss per step) and backward_stages.png;
+prints the paths it wrote.
 """
 
 import argparse
@@ -148,6 +150,42 @@ def drops_and_load(h5path, out):
     return path
 
 
+def loss_curve(report, out):
+    train = report["train"]
+    loss = train["loss"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = range(1, len(loss) + 1)
+    ax.semilogy(steps, loss, label="loss (mean squared error vs teacher)")
+    ax.semilogy(steps, train["grad_norm"], label="gradient norm", alpha=0.7)
+    if any(b > 0 for b in train.get("balance_loss", [])):
+        ax.semilogy(steps, train["balance_loss"], label="balance loss", alpha=0.7)
+    if loss and loss[0] > 0:
+        ax.axhline(0.1 * loss[0], color="grey", linestyle=":", label="10 % of the first loss")
+    ax.set_xlabel("step")
+    ax.set_title(f"{os.path.basename(report.get('deck', ''))}: {train['optimizer']} lr {train['learning_rate']} "
+                 f"({train.get('schedule', 'constant')}), {report.get('ranks', '?')} ranks, last/first {train['loss_ratio']:.3f}")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = os.path.join(out, "loss_curve.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def backward_stages(report, out):
+    stages = {k: v for k, v in report["train"]["backward_seconds_mean"].items() if k != "total"}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(list(stages), [1e3 * v for v in stages.values()])
+    ax.set_ylabel("ms per step (slowest rank, mean)")
+    ax.set_title("backward stages")
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    path = os.path.join(out, "backward_stages.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", help="JSON report of kmoe-layer")
@@ -161,9 +199,14 @@ def main():
         fail(f"cannot read report '{args.report}': {e.strerror}")
     except json.JSONDecodeError as e:
         fail(f"report '{args.report}' is not JSON: {e}")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.report)), "figures")
+    if "train" in report:
+        os.makedirs(out, exist_ok=True)
+        for p in (loss_curve(report, out), backward_stages(report, out)):
+            print(p)
+        return
     if "algorithms" not in report:
         fail(f"report '{args.report}' has no 'algorithms' (is it a kmoe-layer report?)")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.report)), "figures")
     os.makedirs(out, exist_ok=True)
     written = [stage_breakdown(report, out), ledger_bytes(report, out)]
     gantt = schedule_gantt(report, out)

@@ -108,6 +108,16 @@ void parse_run(Reader& r, LayerDeck& d) {
   d.run.schedule = r.option<ScheduleKind>("run.schedule", ScheduleKind::serial);
   bool const chunked = d.run.schedule == ScheduleKind::chunked || d.run.schedule == ScheduleKind::chunked_shared_overlap;
   d.run.chunks = static_cast<int>(r.integer("run.chunks", chunked ? 2 : 1, 1, 1024));
+  d.run.mode = r.choice("run.mode", "forward", {"forward", "train"});
+  d.train.optimizer = r.choice("train.optimizer", "adam", {"adam", "sgd"});
+  d.train.learning_rate = r.real("train.learning_rate", 1e-2, 0.0, 1e6, true);
+  d.train.teacher_seed = static_cast<std::uint64_t>(r.integer("train.teacher_seed", 0, 0, std::numeric_limits<std::int64_t>::max()));
+  d.train.balance_alpha = r.real("train.balance_alpha", 0.0, 0.0, 1e6);
+  d.train.teacher_router = r.choice("train.teacher_router", "student", {"student", "own"});
+  d.train.schedule = r.choice("train.schedule", "constant", {"constant", "cosine"});
+  if (d.run.mode != "train")
+    for (char const* key : {"train.optimizer", "train.learning_rate", "train.teacher_seed", "train.balance_alpha", "train.teacher_router", "train.schedule"})
+      if (r.has(key)) r.fail(key, "is read only with run.mode = \"train\"");
   if (!chunked && d.run.chunks != 1)
     r.fail("run.chunks", "= " + std::to_string(d.run.chunks) + " needs a chunked schedule (run.schedule is '" + to_string(d.run.schedule) +
                              "'; use 'chunked' or 'chunked_shared_overlap')");
@@ -402,6 +412,16 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
   parse_placement(r, d, ranks);
   parse_exchange(r, d);
   parse_experts(r, d);
+  if (d.run.mode == "train") {
+    // What the layer's backward covers.
+    if (d.model.dtype != "fp32") r.fail("run.mode", "= \"train\" needs model.dtype = \"fp32\" (got \"" + d.model.dtype + "\")");
+    if (d.tokens.source != "router")
+      r.fail("run.mode", "= \"train\" needs tokens.source = \"router\" (the router's gates are trained; got \"" + d.tokens.source + "\")");
+    if (d.exchange.algorithm == Exchange::Algorithm::pooled_wave)
+      r.fail("run.mode", "= \"train\" needs exchange.algorithm flat or hierarchical (pooled-wave has no backward yet)");
+    if (!d.run.compare.empty()) r.fail("run.compare", "is not read with run.mode = \"train\"");
+    if (d.run.schedule != ScheduleKind::serial) r.fail("run.schedule", "must be \"serial\" with run.mode = \"train\"");
+  }
   r.finish();
   check_router(r, d, ranks);
   return d;
@@ -413,7 +433,12 @@ std::string LayerDeck::resolved() const {
   os << "# resolved configuration of " << path << "\n";
   os << "[run]\nsteps = " << run.steps << "\nwarmup = " << run.warmup << "\nseed = " << run.seed << "\nreport = " << quoted(run.report)
      << "\nhdf5 = " << quoted(run.hdf5) << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(names_of_values(run.compare))
-     << "\nschedule = " << quoted(to_string(run.schedule)) << "\nchunks = " << run.chunks << "\n";
+     << "\nschedule = " << quoted(to_string(run.schedule)) << "\nchunks = " << run.chunks << "\nmode = " << quoted(run.mode) << "\n";
+  if (run.mode == "train")
+    os << "\n[train]\noptimizer = " << quoted(train.optimizer) << "\nlearning_rate = " << train.learning_rate
+       << "\nschedule = " << quoted(train.schedule)
+       << "\nteacher_seed = " << train.teacher_seed << "\nbalance_alpha = " << train.balance_alpha
+       << "\nteacher_router = " << quoted(train.teacher_router) << "\n";
   os << "\n[model]\nhidden = " << model.hidden << "\nexperts = " << model.experts << "\ntop_k = " << model.top_k << "\nffn = " << model.ffn
      << "\nshared_experts = " << model.shared_experts << "\nshared_ffn = " << model.shared_ffn << "\ndtype = " << quoted(model.dtype)
      << "\npayload = " << quoted(to_string(model.payload)) << "\nreturn_payload = " << quoted(to_string(model.return_payload)) << "\n";

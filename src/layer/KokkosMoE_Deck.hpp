@@ -64,7 +64,18 @@ struct LayerDeck {
     std::vector<KokkosMoE::Exchange::Algorithm> compare;  ///< algorithms run side by side on the same routes
     ScheduleKind schedule = ScheduleKind::serial;  ///< how a step's tasks overlap
     int chunks = 1;                                ///< token ranges of a chunked step
+    std::string mode = "forward";                  ///< "forward", or "train" (against a teacher, [train])
   } run;
+
+  /// [train]: run.mode = "train" (see KokkosMoE_Train.hpp).
+  struct Train {
+    std::string optimizer = "adam";    ///< "adam" or "sgd"
+    double learning_rate = 1e-2;
+    std::string schedule = "constant";  ///< "constant" or "cosine" (to 0 over the run's steps)
+    std::uint64_t teacher_seed = 0;    ///< the teacher's weights (0: run.seed + 1)
+    double balance_alpha = 0.0;        ///< Switch balance loss coefficient (0: none)
+    std::string teacher_router = "student";  ///< "student": the teacher routes like the untrained student; "own"
+  } train;
 
   struct Model {
     int hidden = 64;
