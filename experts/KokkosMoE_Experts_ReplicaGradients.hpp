@@ -35,6 +35,55 @@
 namespace KokkosMoE {
 namespace Experts {
 
+namespace Impl {
+
+/// buf[x * per + i] = sum over the local replicas of expert x of element i
+/// of (gate, up, down) flattened.
+template <class Exec, class MS>
+void pack_replicas(Exec const& exec, ExpertGradients<MS> const& g, std::vector<std::vector<int>> const& local, std::size_t per,
+                   Kokkos::View<float*, MS> const& buf) {
+  std::size_t const third = per / 3;
+  for (std::size_t x = 0; x < local.size(); ++x) {
+    std::vector<int> const& slots = local[x];
+    for (std::size_t r = 0; r < slots.size(); ++r) {
+      std::size_t const q = static_cast<std::size_t>(slots[r]);
+      float const* gp = g.gate.data() + q * third;
+      float const* up = g.up.data() + q * third;
+      float const* dp = g.down.data() + q * third;
+      float* out = buf.data() + x * per;
+      bool const first = r == 0;
+      Kokkos::parallel_for("KokkosMoE::Experts::ReplicaGradients::pack",
+                           Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, third), KOKKOS_LAMBDA(std::size_t i) {
+                             out[i] = (first ? 0.0f : out[i]) + gp[i];
+                             out[third + i] = (first ? 0.0f : out[third + i]) + up[i];
+                             out[2 * third + i] = (first ? 0.0f : out[2 * third + i]) + dp[i];
+                           });
+    }
+  }
+}
+
+template <class Exec, class MS>
+void unpack_replicas(Exec const& exec, Kokkos::View<float*, MS> const& buf, std::vector<std::vector<int>> const& local, std::size_t per,
+                     ExpertGradients<MS>& g) {
+  std::size_t const third = per / 3;
+  for (std::size_t x = 0; x < local.size(); ++x)
+    for (int slot : local[x]) {
+      std::size_t const q = static_cast<std::size_t>(slot);
+      float* gp = g.gate.data() + q * third;
+      float* up = g.up.data() + q * third;
+      float* dp = g.down.data() + q * third;
+      float const* in = buf.data() + x * per;
+      Kokkos::parallel_for("KokkosMoE::Experts::ReplicaGradients::unpack",
+                           Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, third), KOKKOS_LAMBDA(std::size_t i) {
+                             gp[i] = in[i];
+                             up[i] = in[third + i];
+                             dp[i] = in[2 * third + i];
+                           });
+    }
+}
+
+}  // namespace Impl
+
 class ReplicaGradients {
  public:
   /// One set of ranks and the replicated experts they all hold.
@@ -134,7 +183,7 @@ class ReplicaGradients {
       std::vector<std::vector<int>> const& local = local_slots_[i];
       std::size_t const count = per * set.experts.size();
       Kokkos::View<float*, MS> buf("KokkosMoE::Experts::ReplicaGradients::buffer", count);
-      pack(exec, grads, local, per, buf);
+      Impl::pack_replicas(exec, grads, local, per, buf);
       auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), buf);
       if (set.comm != MPI_COMM_NULL) {
         // Reduce to the set's first rank in a fixed order, then broadcast:
@@ -147,7 +196,7 @@ class ReplicaGradients {
         MPI_Bcast(host.data(), static_cast<int>(count), MPI_FLOAT, 0, set.comm);
       }
       Kokkos::deep_copy(exec, buf, host);
-      unpack(exec, buf, local, per, grads);
+      Impl::unpack_replicas(exec, buf, local, per, grads);
     }
     Compat::fence(exec, "KokkosMoE::Experts::ReplicaGradients::reduce");
   }
@@ -198,51 +247,6 @@ class ReplicaGradients {
   template <class MS>
   static std::size_t expert_floats(ExpertGradients<MS> const& g) {
     return 3 * static_cast<std::size_t>(g.d()) * static_cast<std::size_t>(g.d_ff());
-  }
-
-  /// buf[x * per + i] = sum over the local replicas of expert x of element i
-  /// of (gate, up, down) flattened.
-  template <class Exec, class MS>
-  static void pack(Exec const& exec, ExpertGradients<MS> const& g, std::vector<std::vector<int>> const& local, std::size_t per,
-                   Kokkos::View<float*, MS> const& buf) {
-    std::size_t const third = per / 3;
-    for (std::size_t x = 0; x < local.size(); ++x) {
-      std::vector<int> const& slots = local[x];
-      for (std::size_t r = 0; r < slots.size(); ++r) {
-        std::size_t const q = static_cast<std::size_t>(slots[r]);
-        float const* gp = g.gate.data() + q * third;
-        float const* up = g.up.data() + q * third;
-        float const* dp = g.down.data() + q * third;
-        float* out = buf.data() + x * per;
-        bool const first = r == 0;
-        Kokkos::parallel_for("KokkosMoE::Experts::ReplicaGradients::pack",
-                             Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, third), KOKKOS_LAMBDA(std::size_t i) {
-                               out[i] = (first ? 0.0f : out[i]) + gp[i];
-                               out[third + i] = (first ? 0.0f : out[third + i]) + up[i];
-                               out[2 * third + i] = (first ? 0.0f : out[2 * third + i]) + dp[i];
-                             });
-      }
-    }
-  }
-
-  template <class Exec, class MS>
-  static void unpack(Exec const& exec, Kokkos::View<float*, MS> const& buf, std::vector<std::vector<int>> const& local, std::size_t per,
-                     ExpertGradients<MS>& g) {
-    std::size_t const third = per / 3;
-    for (std::size_t x = 0; x < local.size(); ++x)
-      for (int slot : local[x]) {
-        std::size_t const q = static_cast<std::size_t>(slot);
-        float* gp = g.gate.data() + q * third;
-        float* up = g.up.data() + q * third;
-        float* dp = g.down.data() + q * third;
-        float const* in = buf.data() + x * per;
-        Kokkos::parallel_for("KokkosMoE::Experts::ReplicaGradients::unpack",
-                             Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, third), KOKKOS_LAMBDA(std::size_t i) {
-                               gp[i] = in[i];
-                               up[i] = in[third + i];
-                               dp[i] = in[2 * third + i];
-                             });
-      }
   }
 
   void free_comms() {

@@ -187,7 +187,9 @@ class Trainer {
 
   LayerGradients<MemorySpace> const& gradients() const { return grads_; }
 
- private:
+  // Public only because CUDA forbids extended device lambdas inside private
+  // member functions; not part of the interface.
+
   /// The L2 norm of every gradient, each replicated expert counted once
   /// (every copy holds the same sum) and the router and shared experts once.
   double grad_norm(ExecutionSpace const& exec, MPI_Comm ep, double watchdog) {
@@ -222,6 +224,7 @@ class Trainer {
     return std::sqrt(total);
   }
 
+  /// The optimizer step on every parameter.
   void apply(ExecutionSpace const& exec) {
     auto& w = student_.routed_weights();
     optimizer_.update(exec, "routed.gate", w.gate().data(), grads_.routed.gate.data(), w.gate().size());
@@ -236,6 +239,7 @@ class Trainer {
     optimizer_.next_step();
   }
 
+ private:
   layer_type& student_;
   layer_type& teacher_;
   RowMatrix<float, MemorySpace> router_weight_;
