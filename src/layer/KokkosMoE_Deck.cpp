@@ -417,8 +417,6 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
     if (d.model.dtype != "fp32") r.fail("run.mode", "= \"train\" needs model.dtype = \"fp32\" (got \"" + d.model.dtype + "\")");
     if (d.tokens.source != "router")
       r.fail("run.mode", "= \"train\" needs tokens.source = \"router\" (the router's gates are trained; got \"" + d.tokens.source + "\")");
-    if (d.exchange.algorithm == Exchange::Algorithm::pooled_wave)
-      r.fail("run.mode", "= \"train\" needs exchange.algorithm flat or hierarchical (pooled-wave has no backward yet)");
     if (!d.run.compare.empty()) r.fail("run.compare", "is not read with run.mode = \"train\"");
     if (d.run.schedule != ScheduleKind::serial) r.fail("run.schedule", "must be \"serial\" with run.mode = \"train\"");
   }

@@ -233,8 +233,9 @@ class MoELayer {
   /// summed per token. The gate gradients go through the router to the
   /// logits (with the balance loss when asked), to dX and the router weight.
   /// The forward's expert inputs and outputs are recomputed (one more
-  /// dispatch, experts and combine), not kept. Flat and hierarchical
-  /// exchanges; the serial schedule's single chunk.
+  /// dispatch, experts and combine), not kept. Every exchange algorithm
+  /// (pooled-wave's waves one by one; its drops carry no gradient); the
+  /// serial schedule's single chunk.
   BackwardRecord backward(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RowMatrix<T, MemorySpace> const& dOut,
                           RowMatrix<T, MemorySpace> const& dX, LayerGradients<MemorySpace>& grads,
                           LayerBackwardOptions const& options = {}) {
@@ -247,8 +248,6 @@ class MoELayer {
     double const watchdog = config_.exchange.watchdog_seconds;
     auto logits = router_.logits();
     collective(ep, "MoE layer backward", [&] {
-      KOKKOSMOE_REQUIRE(config_.exchange.algorithm != Exchange::Algorithm::pooled_wave,
-                        "MoE layer backward: the pooled-wave exchange has no backward yet (use flat or hierarchical)");
       KOKKOSMOE_REQUIRE(static_cast<int>(hidden.extent(1)) == d && dOut.extent(0) == hidden.extent(0) &&
                             static_cast<int>(dOut.extent(1)) == d && dX.extent(0) == hidden.extent(0) && static_cast<int>(dX.extent(1)) == d,
                         "MoE layer backward: hidden " << hidden.extent(0) << "x" << hidden.extent(1) << ", dOut " << dOut.extent(0) << "x"
@@ -272,17 +271,21 @@ class MoELayer {
       plan = make_dispatch_plan(exec, routes, placement_, comms_->ep().peer_order());
     }
     index_t const R = routes.size();
-    // Recompute: the expert inputs (kept in h1 until the end), outputs and
-    // activations, and the per-route outputs Z.
-    Experts::SavedActivations<MemorySpace> saved;
+    // Recompute, wave by wave: the expert inputs (kept in the handles until
+    // the end), outputs and activations, and the per-route outputs Z.
+    int const W = x.waves();
+    std::vector<Experts::SavedActivations<MemorySpace>> saved(static_cast<std::size_t>(W));
+    std::vector<Exchange::DispatchHandle<T, MemorySpace>> h1(static_cast<std::size_t>(W));
     auto returned = payload_buffer(work_, exec, "bwd_returned", config_.exchange.return_payload, d, plan.rows());
-    Exchange::DispatchHandle<T, MemorySpace> h1;
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "recompute");
-      h1 = x.dispatch(exec, routes, plan, hidden, 0);
-      auto z = work_.template matrix<T>(exec, "bwd_z", h1.rows(), static_cast<std::size_t>(d));
-      backward_.forward_keep(exec, routed_, h1.expert_rows, h1.expert_offsets_d, z, saved);
-      x.combine(exec, h1, z, returned, "");
+      for (int w = 0; w < W; ++w) {
+        auto& h = h1[static_cast<std::size_t>(w)];
+        h = x.dispatch(exec, routes, plan, hidden, w);
+        auto z = work_.template matrix<T>(exec, "bwd_z", h.rows(), static_cast<std::size_t>(d));
+        backward_.forward_keep(exec, routed_, h.expert_rows, h.expert_offsets_d, z, saved[static_cast<std::size_t>(w)]);
+        x.combine(exec, h, z, returned, "");
+      }
     }
     // Combine backward: gate gradients and the per-route output gradients,
     // laid out by route (row a of route a) for the gradient dispatch.
@@ -302,7 +305,9 @@ class MoELayer {
           });
     }
     // The gradient rows cross the dispatch exchange: every route is its own
-    // "token" (same slots, destinations and send order).
+    // "token" (same slots, destinations and send order; pooled-wave through
+    // an exchange of one route per token and the same assignments per rank,
+    // hence the same pools and waves).
     RoutePlan<MemorySpace> per_route = routes;
     per_route.num_tokens = R;
     per_route.top_k = 1;
@@ -318,25 +323,30 @@ class MoELayer {
             ri(a, 0) = a;
           });
     }
+    exchange_type& xr = gradient_exchange(config_.exchange.algorithm);
     auto returned_grad = payload_buffer(work_, exec, "bwd_returned_grad", config_.exchange.return_payload, d, plan.rows());
-    {
+    grads.routed.zero(exec);
+    for (int w = 0; w < W; ++w) {
+      auto& h = h1[static_cast<std::size_t>(w)];
       Exchange::DispatchHandle<T, MemorySpace> h2;
       {
         Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "dispatch");
-        h2 = x.dispatch(exec, per_route, plan, route_grad, 0);
+        h2 = xr.dispatch(exec, per_route, plan, route_grad, w);
       }
       std::string problem;
-      if (h2.expert_offsets != h1.expert_offsets) problem = "the gradient rows arrived in another expert-major order than the forward's";
+      if (h2.expert_offsets != h.expert_offsets)
+        problem = "wave " + std::to_string(w) + ": the gradient rows arrived in another expert-major order than the forward's";
       agree(ep, problem, "MoE layer backward", watchdog);
       auto dxe = work_.template matrix<T>(exec, "bwd_dxe", h2.rows(), static_cast<std::size_t>(d));
       {
         Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "experts");
-        rec.experts = backward_.backward(exec, routed_, h1.expert_rows, h1.expert_offsets_d, h2.expert_rows, dxe, grads.routed, saved);
+        rec.experts = backward_acc_.backward(exec, routed_, h.expert_rows, h.expert_offsets_d, h2.expert_rows, dxe, grads.routed,
+                                             saved[static_cast<std::size_t>(w)]);
       }
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine_exchange");
-      x.combine(exec, h2, dxe, returned_grad, "");
+      xr.combine(exec, h2, dxe, returned_grad, "");
+      h = {};
     }
-    h1 = {};
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "dispatch_backward");
       dispatch_backward(exec, routes, plan, returned_grad, dX);
@@ -432,6 +442,23 @@ class MoELayer {
     if (!x) {
       Exchange::ExchangeConfig c = config_.exchange;
       c.algorithm = algorithm;
+      x = Exchange::make_exchange<T, ExecutionSpace, MemorySpace>(*comms_, placement_, c);
+    }
+    return *x;
+  }
+
+  /// \brief The exchange the backward's per-route gradient rows cross: the
+  /// algorithm's own, except pooled-wave, whose static shape is per token:
+  /// one of top_k 1 and tokens_per_rank * top_k tokens (the same assignments,
+  /// pools and waves).
+  exchange_type& gradient_exchange(Exchange::Algorithm algorithm) {
+    if (algorithm != Exchange::Algorithm::pooled_wave) return exchange(algorithm);
+    auto& x = gradient_exchanges_[algorithm];
+    if (!x) {
+      Exchange::ExchangeConfig c = config_.exchange;
+      c.algorithm = algorithm;
+      c.tokens_per_rank = config_.exchange.tokens_per_rank * config_.router.top_k;
+      c.top_k = 1;
       x = Exchange::make_exchange<T, ExecutionSpace, MemorySpace>(*comms_, placement_, c);
     }
     return *x;
@@ -702,6 +729,8 @@ class MoELayer {
   Experts::Runner<ExecutionSpace, MemorySpace> runner_;
   Experts::Runner<ExecutionSpace, MemorySpace> shared_runner_;
   Experts::Backward<ExecutionSpace, MemorySpace> backward_;
+  Experts::Backward<ExecutionSpace, MemorySpace> backward_acc_{Experts::BackwardOptions{GemmPath::automatic, true}};
+  std::map<Exchange::Algorithm, std::unique_ptr<exchange_type>> gradient_exchanges_;
   DevicePlacement<MemorySpace> device_placement_;
   ReplicaChoice<MemorySpace> choice_;
   RouteTable<MemorySpace> table_;

@@ -132,6 +132,27 @@ int main(int argc, char** argv) {
   /* Zero tokens on every rank is a forward too. */
   EXPECT_STATUS(kmoe_layer_forward(layer, NULL, 0, 32, KMOE_FP32, KMOE_HOST, NULL), KMOE_SUCCESS, "");
 
+  /* Backward of the last forward (on x): dx and a gradient norm, the same on every rank. */
+  EXPECT_STATUS(kmoe_layer_forward(layer, x, 16, 32, KMOE_FP32, KMOE_HOST, y), KMOE_SUCCESS, "");
+  {
+    float* dx = (float*)malloc(sizeof(float) * 16 * 32);
+    double gn = -1;
+    EXPECT_STATUS(kmoe_layer_gradient_norm(layer, &gn), KMOE_ERROR_INVALID_ARGUMENT, "has not run a backward yet");
+    EXPECT_STATUS(kmoe_layer_backward(layer, x, y, 16, 32, KMOE_FP32, KMOE_HOST, dx), KMOE_SUCCESS, "");
+    double dnorm = 0;
+    for (int i = 0; i < 16 * 32; ++i) dnorm += (double)dx[i] * dx[i];
+    EXPECT(dnorm > 0 && isfinite(dnorm), "a finite, non-zero input gradient");
+    EXPECT_STATUS(kmoe_layer_gradient_norm(layer, &gn), KMOE_SUCCESS, "");
+    double lo = gn, hi = gn;
+    MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    EXPECT(gn > 0 && lo == hi, "a gradient norm, the same on every rank");
+    EXPECT_STATUS(kmoe_layer_backward(layer, x, y, 16, 31, KMOE_FP32, KMOE_HOST, dx), KMOE_ERROR_INVALID_ARGUMENT,
+                  "rows of 31 elements");
+    EXPECT_STATUS(kmoe_layer_backward(layer, x, NULL, 16, 32, KMOE_FP32, KMOE_HOST, dx), KMOE_ERROR_INVALID_ARGUMENT, "dout is NULL");
+    free(dx);
+  }
+
   /* JSON and placement queries. */
   EXPECT_STATUS(kmoe_layer_forward(layer, x, 16, 32, KMOE_FP32, KMOE_HOST, y), KMOE_SUCCESS, "");
   size_t needed = 0;

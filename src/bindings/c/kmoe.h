@@ -63,6 +63,8 @@ typedef struct kmoe_layer_config {
   const char* algorithm;   /**< [exchange] algorithm: "flat", "hierarchical", "pooled_wave"; NULL: "flat" */
   const char* transport;   /**< [exchange] transport: "mpi", "nccl"; NULL: "mpi" */
   const char* score;       /**< [router] score: "softmax", "sigmoid"; NULL: "softmax" */
+  const char* payload;     /**< [model] payload: rows on the dispatch wire ("fp32", "bf16", ...); NULL: the deck default */
+  const char* return_payload; /**< [model] return_payload: rows on the combine wire; NULL: the deck default */
   int32_t nodes;           /**< [topology] nodes of a virtual layout; 0: the machine's (hwloc) */
   uint64_t seed;           /**< [run] seed of the router and expert weights */
 } kmoe_layer_config;
@@ -135,6 +137,19 @@ kmoe_status kmoe_layer_shape(const kmoe_layer* layer, int64_t* hidden, int32_t* 
  *  are). Host arrays are used in place on host builds (no copy). */
 kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t tokens, int64_t hidden_dim, kmoe_dtype dtype,
                                kmoe_memory memory, void* out);
+
+/** Collective: the backward of the last forward, which must have been on
+ *  the same rows `hidden`: dx[tokens][hidden] = the gradient of the
+ *  objective with respect to hidden, given dout (its gradient with respect
+ *  to the forward's output). The parameter gradients are kept in the layer
+ *  (kmoe_layer_gradient_norm). fp32 layers. */
+kmoe_status kmoe_layer_backward(kmoe_layer* layer, const void* hidden, const void* dout, int64_t tokens, int64_t hidden_dim,
+                                kmoe_dtype dtype, kmoe_memory memory, void* dx);
+
+/** Collective: the L2 norm of the parameter gradients of the last backward
+ *  (router, shared experts, this group's routed experts; the same on every
+ *  rank). */
+kmoe_status kmoe_layer_gradient_norm(kmoe_layer* layer, double* norm);
 
 /** This rank's rows of step `step` of the layer's deck ([tokens] source and
  *  seed): the rows kmoe-layer feeds the layer (host array of the layer's

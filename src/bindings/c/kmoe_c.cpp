@@ -19,6 +19,7 @@
 #include <Kokkos_Core.hpp>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <sstream>
@@ -87,6 +88,8 @@ std::string deck_text(kmoe_layer_config const& c) {
   os << "[run]\nseed = " << c.seed << "\n";
   os << "[model]\nhidden = " << c.hidden << "\nexperts = " << c.experts << "\ntop_k = " << c.top_k << "\nffn = " << c.ffn
      << "\nshared_experts = " << c.shared_experts << "\ndtype = " << (c.dtype == KMOE_BF16 ? "\"bf16\"" : "\"fp32\"") << "\n";
+  if (c.payload) os << "payload = " << quoted(c.payload, "") << "\n";
+  if (c.return_payload) os << "return_payload = " << quoted(c.return_payload, "") << "\n";
   os << "[tokens]\nper_rank = " << c.tokens_per_rank << "\n";
   os << "[router]\nscore = " << quoted(c.score, "softmax") << "\n";
   os << "[exchange]\nalgorithm = " << quoted(c.algorithm, "flat") << "\ntransport = " << quoted(c.transport, "mpi") << "\n";
@@ -112,6 +115,8 @@ struct kmoe_layer {
   std::unique_ptr<MoELayer<bf16_t, Exec, MS>> bf16;
   StepRecord last;
   bool has_last = false;
+  LayerGradients<MS> grads;  ///< of the last backward (fp32 layers)
+  bool has_grads = false;
 
   kmoe_dtype dtype() const { return bf16 ? KMOE_BF16 : KMOE_FP32; }
   double watchdog() const { return deck.exchange.watchdog_seconds; }
@@ -222,6 +227,8 @@ kmoe_layer_config kmoe_layer_config_default(void) {
   c.algorithm = nullptr;
   c.transport = nullptr;
   c.score = nullptr;
+  c.payload = nullptr;
+  c.return_payload = nullptr;
   c.nodes = 0;
   c.seed = 1234;
   return c;
@@ -378,6 +385,74 @@ kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t to
         Kokkos::deep_copy(Kokkos::View<T**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<T*>(out), tokens, d), res);
       Compat::fence(exec, "kmoe_layer_forward");
     });
+  });
+}
+
+kmoe_status kmoe_layer_backward(kmoe_layer* layer, const void* hidden, const void* dout, int64_t tokens, int64_t hidden_dim,
+                                kmoe_dtype dtype, kmoe_memory memory, void* dx) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_backward");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_backward: layer is NULL");
+    std::ostringstream problem;
+    int64_t const d = layer->deck.model.hidden;
+    constexpr bool host_space = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
+    if (!layer->fp32) problem << "kmoe_layer_backward: the layer computes in bf16; the backward needs an fp32 layer";
+    else if (!layer->has_last) problem << "kmoe_layer_backward: the layer has not run a forward yet";
+    else if (tokens < 0) problem << "kmoe_layer_backward: tokens = " << tokens << " is negative";
+    else if (tokens > 0 && (!hidden || !dout || !dx)) problem << "kmoe_layer_backward: " << (!hidden ? "hidden" : !dout ? "dout" : "dx") << " is NULL";
+    else if (hidden_dim != d) problem << "kmoe_layer_backward: rows of " << hidden_dim << " elements, the layer's hidden width is " << d;
+    else if (dtype != KMOE_FP32) problem << "kmoe_layer_backward: rows must be fp32";
+    else if (memory != KMOE_HOST && memory != KMOE_DEVICE) problem << "kmoe_layer_backward: memory " << static_cast<int>(memory) << " is neither KMOE_HOST nor KMOE_DEVICE";
+    else if (memory == KMOE_DEVICE && host_space) problem << "kmoe_layer_backward: device arrays need a CUDA build (this one runs on " << Exec::name() << ")";
+    if (!problem.str().empty()) problem << " (rank " << layer->rank() << ")";
+    agree_arguments(layer->comm, problem.str(), "kmoe_layer_backward arguments", layer->watchdog());
+    Exec exec;
+    RowMatrix<float, MS> h, g, x;
+    if (memory == KMOE_DEVICE || host_space) {
+      h = RowMatrix<float, MS>(const_cast<float*>(static_cast<float const*>(hidden)), tokens, d);
+      g = RowMatrix<float, MS>(const_cast<float*>(static_cast<float const*>(dout)), tokens, d);
+      x = RowMatrix<float, MS>(static_cast<float*>(dx), tokens, d);
+    } else {
+      using HostRows = Kokkos::View<float const**, Kokkos::LayoutRight, Kokkos::HostSpace>;
+      h = RowMatrix<float, MS>("kmoe::hidden", tokens, d);
+      g = RowMatrix<float, MS>("kmoe::dout", tokens, d);
+      x = RowMatrix<float, MS>("kmoe::dx", tokens, d);
+      Kokkos::deep_copy(h, HostRows(static_cast<float const*>(hidden), tokens, d));
+      Kokkos::deep_copy(g, HostRows(static_cast<float const*>(dout), tokens, d));
+    }
+    layer->fp32->backward(exec, h, g, x, layer->grads);
+    layer->has_grads = true;
+    if (memory == KMOE_HOST && !host_space)
+      Kokkos::deep_copy(Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<float*>(dx), tokens, d), x);
+    Compat::fence(exec, "kmoe_layer_backward");
+  });
+}
+
+kmoe_status kmoe_layer_gradient_norm(kmoe_layer* layer, double* norm) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_gradient_norm");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_gradient_norm: layer is NULL");
+    std::string problem;
+    if (!norm) problem = "kmoe_layer_gradient_norm: norm is NULL";
+    else if (!layer->has_grads) problem = "kmoe_layer_gradient_norm: the layer has not run a backward yet";
+    agree_arguments(layer->comm, problem, "kmoe_layer_gradient_norm arguments", layer->watchdog());
+    auto sq = [](auto const& v) {
+      auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+      double s = 0.0;
+      for (std::size_t i = 0; i < h.size(); ++i) s += static_cast<double>(h.data()[i]) * h.data()[i];
+      return s;
+    };
+    auto const& g = layer->grads;
+    // Routed slots on every rank (each copy counted; replicas hold partial
+    // sums until reduced); router and shared experts (the same on every rank) once.
+    double local = sq(g.routed.gate) + sq(g.routed.up) + sq(g.routed.down);
+    if (layer->rank() == 0) {
+      local += sq(g.router);
+      if (g.shared.num_slots() > 0) local += sq(g.shared.gate) + sq(g.shared.up) + sq(g.shared.down);
+    }
+    double total = 0.0;
+    allreduce_watched(&local, &total, 1, MPI_DOUBLE, MPI_SUM, layer->comm, "kmoe_layer_gradient_norm", layer->watchdog());
+    *norm = std::sqrt(total);
   });
 }
 

@@ -50,7 +50,7 @@ class Layer {
   }
   static Layer from_config(py::dict const& kw, py::object const& comm) {
     kmoe_layer_config c = kmoe_layer_config_default();
-    std::string algorithm = "flat", transport = "mpi", score = "softmax";
+    std::string algorithm = "flat", transport = "mpi", score = "softmax", payload, return_payload;
     for (auto const& item : kw) {
       std::string const k = item.first.cast<std::string>();
       py::handle v = item.second;
@@ -65,6 +65,8 @@ class Layer {
       else if (k == "algorithm") algorithm = v.cast<std::string>();
       else if (k == "transport") transport = v.cast<std::string>();
       else if (k == "score") score = v.cast<std::string>();
+      else if (k == "payload") payload = v.cast<std::string>();
+      else if (k == "return_payload") return_payload = v.cast<std::string>();
       else if (k == "dtype") {
         std::string const t = v.cast<std::string>();
         if (t != "fp32" && t != "bf16") throw py::value_error("dtype: 'fp32' or 'bf16', not '" + t + "'");
@@ -75,6 +77,8 @@ class Layer {
     c.algorithm = algorithm.c_str();
     c.transport = transport.c_str();
     c.score = score.c_str();
+    c.payload = payload.empty() ? nullptr : payload.c_str();
+    c.return_payload = return_payload.empty() ? nullptr : return_payload.c_str();
     Layer l;
     check(kmoe_layer_create_f(&c, fortran_comm(comm), &l.h_));
     return l;
@@ -140,6 +144,37 @@ class Layer {
     }
     check(st);  // raises with the GIL held
     return *out;
+  }
+
+  /// Collective: the backward of the last forward (on `hidden`): the
+  /// gradient with respect to hidden, given dout (fp32 layers, float32 rows).
+  py::array backward(py::array hidden, py::array dout) {
+    std::string problem;
+    auto ok = [](py::array const& a) {
+      return a.dtype().is(py::dtype::of<float>()) && a.ndim() == 2 && (a.flags() & py::array::c_style);
+    };
+    if (!ok(hidden) || !ok(dout)) problem = "backward: hidden and dout must be C-contiguous 2-D float32 arrays";
+    else if (hidden.shape(0) != dout.shape(0) || hidden.shape(1) != dout.shape(1)) problem = "backward: hidden and dout differ in shape";
+    check(kmoe_layer_check(handle(), problem.empty() ? 1 : 0, problem.c_str()));
+    py::array dx(hidden.dtype(), std::vector<py::ssize_t>{hidden.shape(0), hidden.shape(1)});
+    kmoe_layer* const layer = handle();
+    void const* h = hidden.data();
+    void const* g = dout.data();
+    void* x = dx.mutable_data();
+    std::int64_t const T = hidden.shape(0), d = hidden.shape(1);
+    kmoe_status st;
+    {
+      py::gil_scoped_release release;
+      st = kmoe_layer_backward(layer, h, g, T, d, KMOE_FP32, KMOE_HOST, x);
+    }
+    check(st);
+    return dx;
+  }
+
+  double gradient_norm() {
+    double n = 0;
+    check(kmoe_layer_gradient_norm(handle(), &n));
+    return n;
   }
 
   /// This rank's rows of step `step` of the deck (router-sourced decks).
@@ -223,6 +258,8 @@ PYBIND11_MODULE(_kokkosmoe, m) {
       .def("close", &Layer::close)
       .def_property_readonly("shape", &Layer::shape)
       .def("forward", &Layer::forward, py::arg("hidden"), py::arg("out") = py::none())
+      .def("backward", &Layer::backward, py::arg("hidden"), py::arg("dout"))
+      .def("gradient_norm", &Layer::gradient_norm)
       .def("deck_rows", &Layer::deck_rows, py::arg("step") = 0)
       .def("digest", &Layer::digest)
       .def("last_step_json", &Layer::last_step_json)

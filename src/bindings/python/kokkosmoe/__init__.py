@@ -6,6 +6,7 @@
     layer = km.Layer(deck="inputs/quickstart.toml")        # or km.Layer(hidden=64, experts=8, top_k=2, ...)
     rows = layer.deck_rows(0)                               # this rank's rows of the deck's first step
     out = layer.forward(rows)                               # [tokens, hidden] float32 (uint16 for bf16 bits)
+    dx = layer.backward(rows, out - target)                 # input gradient (fp32 layers)
     print(layer.last_step()["seconds"])
     layer.close()
 
@@ -76,8 +77,9 @@ class Layer:
     """An MoE layer on the ranks of `comm` (None: MPI_COMM_WORLD; an mpi4py
     communicator otherwise), from a deck file or from keywords: hidden,
     experts, top_k, ffn, shared_experts, dtype ("fp32", "bf16"),
-    tokens_per_rank, algorithm, transport, score, nodes (virtual nodes; 0:
-    the machine's), seed."""
+    tokens_per_rank, algorithm, transport, score, payload and return_payload
+    (rows on the dispatch and combine wires), nodes (virtual nodes; 0: the
+    machine's), seed."""
 
     def __init__(self, deck=None, comm=None, **config):
         if deck is not None and config:
@@ -108,6 +110,17 @@ class Layer:
         """Collective: the layer applied to this rank's rows [tokens, hidden];
         the result in `out` (same shape and dtype) or a new array."""
         return self._layer.forward(hidden, out)
+
+    def backward(self, hidden, dout):
+        """Collective: the backward of the last forward, which ran on
+        `hidden`: returns the gradient with respect to hidden given dout
+        (the gradient with respect to the output); the parameter gradients
+        stay in the layer (gradient_norm()). fp32 layers."""
+        return self._layer.backward(hidden, dout)
+
+    def gradient_norm(self):
+        """Collective: L2 norm of the last backward's parameter gradients."""
+        return self._layer.gradient_norm()
 
     def deck_rows(self, step=0):
         """This rank's rows of step `step` of the deck."""
