@@ -40,6 +40,7 @@ program kmoe_fortran_example
   if (rank == 0) print '(a,i0,a,i0,a,i0,a,i0,a,a)', 'kmoe-fortran-example: d=', d, ' tokens_per_rank=', tokens, &
                                                    ' experts=', experts, ' top_k=', top_k, ' output_digest=', digest
   call check(kmoe_layer_destroy(layer), 'kmoe_layer_destroy')
+  deallocate(hidden, out)
   call check(kmoe_finalize(), 'kmoe_finalize')
 
 contains

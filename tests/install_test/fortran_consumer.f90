@@ -31,6 +31,7 @@ program fortran_consumer
   call check(kmoe_layer_last_step(layer, step))
   if (step%tokens /= tokens .or. step%routes_attempted /= tokens * top_k) error stop 'step summary'
   call check(kmoe_layer_destroy(layer))
+  deallocate(hidden, out)
   if (rank == 0) print '(a,a)', 'fortran consumer ok: KokkosMoE ', kmoe_version()
   call check(kmoe_finalize())
 

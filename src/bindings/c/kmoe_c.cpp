@@ -100,6 +100,17 @@ std::string deck_text(kmoe_layer_config const& c) {
   return os.str();
 }
 
+/// The integer a C caller stored in an enum-typed object. A C caller may
+/// pass any int; in C++ reading such a value as the enum is undefined, so
+/// arguments are read as their bits and compared as integers.
+template <class E>
+int raw(E const& e) {
+  static_assert(sizeof(E) == sizeof(int), "C enums are int-sized");
+  int v = 0;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+
 int dtype_size(kmoe_dtype t) { return t == KMOE_BF16 ? 2 : 4; }
 char const* dtype_name(kmoe_dtype t) { return t == KMOE_BF16 ? "bf16" : "fp32"; }
 
@@ -205,8 +216,8 @@ kmoe_status create_from_config(kmoe_layer_config const* config, MPI_Comm comm, k
   std::string problem;
   if (!config) problem = "kmoe_layer_create: config is NULL";
   else if (!layer) problem = "kmoe_layer_create: the layer pointer is NULL";
-  else if (config->dtype != KMOE_FP32 && config->dtype != KMOE_BF16)
-    problem = "kmoe_layer_create: dtype " + std::to_string(static_cast<int>(config->dtype)) + " is neither KMOE_FP32 nor KMOE_BF16";
+  else if (raw(config->dtype) != KMOE_FP32 && raw(config->dtype) != KMOE_BF16)
+    problem = "kmoe_layer_create: dtype " + std::to_string(raw(config->dtype)) + " is neither KMOE_FP32 nor KMOE_BF16";
   return create_with("kmoe_layer_create", comm, layer, problem,
                      [&](MPI_Comm c) { return parse_layer_deck("kmoe_layer_config", deck_text(*config), comm_size(c)); });
 }
@@ -349,8 +360,9 @@ kmoe_status kmoe_layer_shape(const kmoe_layer* layer, int64_t* hidden, int32_t* 
   });
 }
 
-kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t tokens, int64_t hidden_dim, kmoe_dtype dtype,
-                               kmoe_memory memory, void* out) {
+kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t tokens, int64_t hidden_dim, kmoe_dtype dtype_arg,
+                               kmoe_memory memory_arg, void* out) {
+  int const dtype = raw(dtype_arg), memory = raw(memory_arg);
   return guarded(KMOE_ERROR_RUNTIME, [&] {
     require_initialized("kmoe_layer_forward");
     if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_forward: layer is NULL");
@@ -360,10 +372,10 @@ kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t to
     if (tokens < 0) problem << "kmoe_layer_forward: tokens = " << tokens << " is negative";
     else if (tokens > 0 && (!hidden || !out)) problem << "kmoe_layer_forward: " << (!hidden ? "hidden" : "out") << " is NULL";
     else if (hidden_dim != d) problem << "kmoe_layer_forward: rows of " << hidden_dim << " elements, the layer's hidden width is " << d;
-    else if (dtype != layer->dtype())
+    else if (dtype != static_cast<int>(layer->dtype()))
       problem << "kmoe_layer_forward: " << (dtype == KMOE_BF16 ? "bf16" : dtype == KMOE_FP32 ? "fp32" : "unknown") << " rows, the layer computes in "
               << dtype_name(layer->dtype());
-    else if (memory != KMOE_HOST && memory != KMOE_DEVICE) problem << "kmoe_layer_forward: memory " << static_cast<int>(memory) << " is neither KMOE_HOST nor KMOE_DEVICE";
+    else if (memory != KMOE_HOST && memory != KMOE_DEVICE) problem << "kmoe_layer_forward: memory " << memory << " is neither KMOE_HOST nor KMOE_DEVICE";
     else if (memory == KMOE_DEVICE && host_space) problem << "kmoe_layer_forward: device arrays need a CUDA build (this one runs on " << Exec::name() << ")";
     if (!problem.str().empty()) problem << " (rank " << layer->rank() << ")";
     agree_arguments(layer->comm, problem.str(), "kmoe_layer_forward arguments", layer->watchdog());
@@ -389,7 +401,8 @@ kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t to
 }
 
 kmoe_status kmoe_layer_backward(kmoe_layer* layer, const void* hidden, const void* dout, int64_t tokens, int64_t hidden_dim,
-                                kmoe_dtype dtype, kmoe_memory memory, void* dx) {
+                                kmoe_dtype dtype_arg, kmoe_memory memory_arg, void* dx) {
+  int const dtype = raw(dtype_arg), memory = raw(memory_arg);
   return guarded(KMOE_ERROR_RUNTIME, [&] {
     require_initialized("kmoe_layer_backward");
     if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_backward: layer is NULL");
@@ -402,7 +415,7 @@ kmoe_status kmoe_layer_backward(kmoe_layer* layer, const void* hidden, const voi
     else if (tokens > 0 && (!hidden || !dout || !dx)) problem << "kmoe_layer_backward: " << (!hidden ? "hidden" : !dout ? "dout" : "dx") << " is NULL";
     else if (hidden_dim != d) problem << "kmoe_layer_backward: rows of " << hidden_dim << " elements, the layer's hidden width is " << d;
     else if (dtype != KMOE_FP32) problem << "kmoe_layer_backward: rows must be fp32";
-    else if (memory != KMOE_HOST && memory != KMOE_DEVICE) problem << "kmoe_layer_backward: memory " << static_cast<int>(memory) << " is neither KMOE_HOST nor KMOE_DEVICE";
+    else if (memory != KMOE_HOST && memory != KMOE_DEVICE) problem << "kmoe_layer_backward: memory " << memory << " is neither KMOE_HOST nor KMOE_DEVICE";
     else if (memory == KMOE_DEVICE && host_space) problem << "kmoe_layer_backward: device arrays need a CUDA build (this one runs on " << Exec::name() << ")";
     if (!problem.str().empty()) problem << " (rank " << layer->rank() << ")";
     agree_arguments(layer->comm, problem.str(), "kmoe_layer_backward arguments", layer->watchdog());
