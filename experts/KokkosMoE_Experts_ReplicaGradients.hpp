@@ -195,7 +195,7 @@ class ReplicaGradients {
         if (set_rank == 0) std::copy(sum.begin(), sum.end(), host.data());
         MPI_Bcast(host.data(), static_cast<int>(count), MPI_FLOAT, 0, set.comm);
       }
-      Kokkos::deep_copy(exec, buf, host);
+      Kokkos::deep_copy(buf, host);  // blocking: host is released at the end of the iteration
       Impl::unpack_replicas(exec, buf, local, per, grads);
     }
     Compat::fence(exec, "KokkosMoE::Experts::ReplicaGradients::reduce");

@@ -28,6 +28,15 @@ STAGES = ["router", "route_plan", "dispatch", "experts", "combine_exchange", "co
 CLASSES = ["same_rank", "intra_node", "inter_node"]
 
 
+def save(fig, out, name):
+    """Writes the figure as out/name and returns the path."""
+    fig.tight_layout()
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def fail(message):
     print(f"plot_report.py: {message}", file=sys.stderr)
     sys.exit(1)
@@ -47,11 +56,7 @@ def stage_breakdown(report, out):
     ax.set_title(f"Stage times, {report['ranks']} ranks on {report['nodes']} nodes, "
                  f"{report['tokens_per_rank']} tokens/rank")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = os.path.join(out, "stage_breakdown.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out, "stage_breakdown.png")
 
 
 def ledger_bytes(report, out):
@@ -69,11 +74,7 @@ def ledger_bytes(report, out):
         ax.set_title(f"{direction} payload (last step, all ranks)")
         ax.set_ylabel("MB")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out, "ledger_bytes.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out, "ledger_bytes.png")
 
 
 def schedule_gantt(report, out):
@@ -110,11 +111,7 @@ def schedule_gantt(report, out):
         unique = dict(zip(names, handles))
         ax.legend(unique.values(), unique.keys(), fontsize=6, ncol=len(unique), loc="lower right")
     axes[-1, 0].set_xlabel("ms from the start of the step's task graph")
-    fig.tight_layout()
-    path = os.path.join(out, "schedule.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out, "schedule.png")
 
 
 def drops_and_load(h5path, out):
@@ -143,11 +140,7 @@ def drops_and_load(h5path, out):
         axes[1].set_ylabel("logical expert")
         axes[1].set_title("Routes per expert")
         fig.colorbar(im, ax=axes[1])
-    fig.tight_layout()
-    path = os.path.join(out, "drops_and_load.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out, "drops_and_load.png")
 
 
 def loss_curve(report, out):
@@ -165,11 +158,7 @@ def loss_curve(report, out):
     ax.set_title(f"{os.path.basename(report.get('deck', ''))}: {train['optimizer']} lr {train['learning_rate']} "
                  f"({train.get('schedule', 'constant')}), {report.get('ranks', '?')} ranks, last/first {train['loss_ratio']:.3f}")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = os.path.join(out, "loss_curve.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out, "loss_curve.png")
 
 
 def backward_stages(report, out):
@@ -179,11 +168,7 @@ def backward_stages(report, out):
     ax.set_ylabel("ms per step (slowest rank, mean)")
     ax.set_title("backward stages")
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
-    fig.tight_layout()
-    path = os.path.join(out, "backward_stages.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out, "backward_stages.png")
 
 
 def main():

@@ -393,6 +393,7 @@ class MoELayer {
   /// broadcast (the same bits everywhere).
   template <class V>
   static void sum_over_ranks(ExecutionSpace const& exec, V const& g, MPI_Comm comm, double watchdog) {
+    Compat::fence(exec, "KokkosMoE::Layer::backward: gradients before their sum");
     auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), g);
     std::vector<float> sum(h.size());
     int rank = 0;
@@ -401,7 +402,7 @@ class MoELayer {
     MPI_Reduce(h.data(), rank == 0 ? sum.data() : nullptr, static_cast<int>(h.size()), MPI_FLOAT, MPI_SUM, 0, comm);
     if (rank == 0) std::copy(sum.begin(), sum.end(), h.data());
     MPI_Bcast(h.data(), static_cast<int>(h.size()), MPI_FLOAT, 0, comm);
-    Kokkos::deep_copy(exec, g, h);
+    Kokkos::deep_copy(g, h);  // blocking: h is a local host copy
   }
 
   /// Shared experts: each sees every token; dX += the sum of their input gradients.
@@ -409,28 +410,34 @@ class MoELayer {
                        RowMatrix<T, MemorySpace> const& dX, Experts::ExpertGradients<MemorySpace>& g) {
     int const S = shared_->num_slots(), d = config_.hidden;
     index_t const n = static_cast<index_t>(hidden.extent(0));
-    auto x = work_.template matrix<T>(exec, "bwd_shared_x", n * S, static_cast<std::size_t>(d));
-    auto dy = work_.template matrix<T>(exec, "bwd_shared_dy", n * S, static_cast<std::size_t>(d));
-    for (int s = 0; s < S; ++s) {
-      copy_row_range(exec, x, s * n, hidden, 0, n);
-      copy_row_range(exec, dy, s * n, dOut, 0, n);
-    }
-    Kokkos::View<index_t*, MemorySpace> offsets("KokkosMoE::Layer::shared_offsets", S + 1);
-    {
-      auto h = Kokkos::create_mirror_view(offsets);
-      for (int s = 0; s <= S; ++s) h(s) = s * n;
-      Kokkos::deep_copy(exec, offsets, h);
-    }
+    auto x = shared_batch(exec, hidden, "bwd_shared_x");
+    auto dy = shared_batch(exec, dOut, "bwd_shared_dy");
     auto dxs = work_.template matrix<float>(exec, "bwd_shared_dx", n * S, static_cast<std::size_t>(d));
-    backward_.backward(exec, *shared_, x, offsets, dy, dxs, g);
-    Kokkos::parallel_for(
-        "KokkosMoE::Layer::backward[shared]", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, n), KOKKOS_LAMBDA(index_t t) {
-          for (int c = 0; c < d; ++c) {
-            float acc = to_float(dX(t, c));
-            for (int s = 0; s < S; ++s) acc += dxs(s * n + t, c);
-            dX(t, c) = from_float<T>(acc);
-          }
-        });
+    backward_.backward(exec, *shared_, x, shared_offsets(n), dy, dxs, g);
+    add_shared(exec, dxs, dX);
+  }
+
+  /// rows [n, d] once per shared expert ([S n, d]; rows itself for one).
+  RowMatrix<T, MemorySpace> shared_batch(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& rows, std::string const& label) {
+    int const S = shared_->num_slots();
+    index_t const n = static_cast<index_t>(rows.extent(0));
+    if (S == 1) return rows;
+    auto x = work_.template matrix<T>(exec, label, n * S, static_cast<std::size_t>(config_.hidden));
+    for (int s = 0; s < S; ++s) copy_row_range(exec, x, s * n, rows, 0, n);
+    return x;
+  }
+
+  /// Segment offsets of a shared batch of n tokens per expert (kept).
+  Kokkos::View<index_t*, MemorySpace> const& shared_offsets(index_t n) {
+    int const S = shared_->num_slots();
+    if (shared_offsets_.extent(0) != static_cast<std::size_t>(S + 1) || shared_n_ != n) {
+      shared_offsets_ = Kokkos::View<index_t*, MemorySpace>("KokkosMoE::Layer::shared_offsets", S + 1);
+      auto h = Kokkos::create_mirror_view(shared_offsets_);
+      for (int s = 0; s <= S; ++s) h(s) = s * n;
+      Kokkos::deep_copy(shared_offsets_, h);
+      shared_n_ = n;
+    }
+    return shared_offsets_;
   }
 
   /// \brief The last route table (from forward()).
@@ -661,18 +668,9 @@ class MoELayer {
     index_t const n = static_cast<index_t>(hidden.extent(0));
     int const d = config_.hidden;
     // Each shared expert sees every token: segment s of the batch is a copy of hidden.
-    RowMatrix<T, MemorySpace> x = S == 1 ? hidden : work_.template matrix<T>(exec, "shared_x", n * S, static_cast<std::size_t>(d));
-    if (S > 1)
-      for (int s = 0; s < S; ++s) copy_row_range(exec, x, s * n, hidden, 0, n);
-    if (shared_offsets_.extent(0) != static_cast<std::size_t>(S + 1) || shared_n_ != n) {
-      shared_offsets_ = Kokkos::View<index_t*, MemorySpace>("KokkosMoE::Layer::shared_offsets", S + 1);
-      auto h = Kokkos::create_mirror_view(shared_offsets_);
-      for (int s = 0; s <= S; ++s) h(s) = s * n;
-      Kokkos::deep_copy(shared_offsets_, h);
-      shared_n_ = n;
-    }
+    auto x = shared_batch(exec, hidden, "shared_x");
     auto y = work_.template matrix<float>(exec, "shared_y", n * S, static_cast<std::size_t>(d));
-    shared_runner_.run(exec, *shared_, x, shared_offsets_, y);
+    shared_runner_.run(exec, *shared_, x, shared_offsets(n), y);
     return y;
   }
 

@@ -111,6 +111,43 @@ int raw(E const& e) {
   return v;
 }
 
+/// True where the caller's host arrays are the layer's memory (host builds).
+constexpr bool host_space = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
+
+/// What is wrong with a memory kind argument of `call` ("" for nothing).
+std::string memory_problem(char const* call, int memory) {
+  std::ostringstream os;
+  if (memory != KMOE_HOST && memory != KMOE_DEVICE)
+    os << call << ": memory " << memory << " is neither KMOE_HOST nor KMOE_DEVICE";
+  else if (memory == KMOE_DEVICE && host_space)
+    os << call << ": device arrays need a CUDA build (this one runs on " << Exec::name() << ")";
+  return os.str();
+}
+
+/// The caller's rows [n][d] as the layer's rows: in place where the layer can
+/// read them (device arrays, host builds), else a copy to the device.
+template <class T>
+RowMatrix<T, MS> caller_rows_in(void const* p, int64_t n, int64_t d, int memory, char const* label) {
+  if (memory == KMOE_DEVICE || host_space) return RowMatrix<T, MS>(const_cast<T*>(static_cast<T const*>(p)), n, d);
+  RowMatrix<T, MS> v(std::string(label), n, d);
+  Kokkos::deep_copy(v, Kokkos::View<T const**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<T const*>(p), n, d));
+  return v;
+}
+
+/// The caller's output rows [n][d]: in place, or a device buffer that
+/// caller_rows_out_done copies back.
+template <class T>
+RowMatrix<T, MS> caller_rows_out(void* p, int64_t n, int64_t d, int memory, char const* label) {
+  if (memory == KMOE_DEVICE || host_space) return RowMatrix<T, MS>(static_cast<T*>(p), n, d);
+  return RowMatrix<T, MS>(std::string(label), n, d);
+}
+
+template <class T>
+void caller_rows_out_done(RowMatrix<T, MS> const& v, void* p, int memory) {
+  if (memory == KMOE_HOST && !host_space)
+    Kokkos::deep_copy(Kokkos::View<T**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<T*>(p), v.extent(0), v.extent(1)), v);
+}
+
 int dtype_size(kmoe_dtype t) { return t == KMOE_BF16 ? 2 : 4; }
 char const* dtype_name(kmoe_dtype t) { return t == KMOE_BF16 ? "bf16" : "fp32"; }
 
@@ -368,33 +405,23 @@ kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t to
     if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_forward: layer is NULL");
     std::ostringstream problem;
     int64_t const d = layer->deck.model.hidden;
-    constexpr bool host_space = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
     if (tokens < 0) problem << "kmoe_layer_forward: tokens = " << tokens << " is negative";
     else if (tokens > 0 && (!hidden || !out)) problem << "kmoe_layer_forward: " << (!hidden ? "hidden" : "out") << " is NULL";
     else if (hidden_dim != d) problem << "kmoe_layer_forward: rows of " << hidden_dim << " elements, the layer's hidden width is " << d;
     else if (dtype != static_cast<int>(layer->dtype()))
       problem << "kmoe_layer_forward: " << (dtype == KMOE_BF16 ? "bf16" : dtype == KMOE_FP32 ? "fp32" : "unknown") << " rows, the layer computes in "
               << dtype_name(layer->dtype());
-    else if (memory != KMOE_HOST && memory != KMOE_DEVICE) problem << "kmoe_layer_forward: memory " << memory << " is neither KMOE_HOST nor KMOE_DEVICE";
-    else if (memory == KMOE_DEVICE && host_space) problem << "kmoe_layer_forward: device arrays need a CUDA build (this one runs on " << Exec::name() << ")";
+    else problem << memory_problem("kmoe_layer_forward", memory);
     if (!problem.str().empty()) problem << " (rank " << layer->rank() << ")";
     agree_arguments(layer->comm, problem.str(), "kmoe_layer_forward arguments", layer->watchdog());
     layer->visit([&](auto& l) {
       using T = typename std::remove_reference_t<decltype(l)>::value_type;
       Exec exec;
-      RowMatrix<T, MS> in, res;
-      if (memory == KMOE_DEVICE || host_space) {
-        in = RowMatrix<T, MS>(const_cast<T*>(static_cast<T const*>(hidden)), tokens, d);
-        res = RowMatrix<T, MS>(static_cast<T*>(out), tokens, d);
-      } else {
-        in = RowMatrix<T, MS>("kmoe::hidden", tokens, d);
-        res = RowMatrix<T, MS>("kmoe::out", tokens, d);
-        Kokkos::deep_copy(in, Kokkos::View<T const**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<T const*>(hidden), tokens, d));
-      }
+      auto in = caller_rows_in<T>(hidden, tokens, d, memory, "kmoe::hidden");
+      auto res = caller_rows_out<T>(out, tokens, d, memory, "kmoe::out");
       layer->last = l.forward(exec, in, res);
       layer->has_last = true;
-      if (memory == KMOE_HOST && !host_space)
-        Kokkos::deep_copy(Kokkos::View<T**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<T*>(out), tokens, d), res);
+      caller_rows_out_done(res, out, memory);
       Compat::fence(exec, "kmoe_layer_forward");
     });
   });
@@ -408,35 +435,22 @@ kmoe_status kmoe_layer_backward(kmoe_layer* layer, const void* hidden, const voi
     if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_backward: layer is NULL");
     std::ostringstream problem;
     int64_t const d = layer->deck.model.hidden;
-    constexpr bool host_space = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
     if (!layer->fp32) problem << "kmoe_layer_backward: the layer computes in bf16; the backward needs an fp32 layer";
     else if (!layer->has_last) problem << "kmoe_layer_backward: the layer has not run a forward yet";
     else if (tokens < 0) problem << "kmoe_layer_backward: tokens = " << tokens << " is negative";
     else if (tokens > 0 && (!hidden || !dout || !dx)) problem << "kmoe_layer_backward: " << (!hidden ? "hidden" : !dout ? "dout" : "dx") << " is NULL";
     else if (hidden_dim != d) problem << "kmoe_layer_backward: rows of " << hidden_dim << " elements, the layer's hidden width is " << d;
     else if (dtype != KMOE_FP32) problem << "kmoe_layer_backward: rows must be fp32";
-    else if (memory != KMOE_HOST && memory != KMOE_DEVICE) problem << "kmoe_layer_backward: memory " << memory << " is neither KMOE_HOST nor KMOE_DEVICE";
-    else if (memory == KMOE_DEVICE && host_space) problem << "kmoe_layer_backward: device arrays need a CUDA build (this one runs on " << Exec::name() << ")";
+    else problem << memory_problem("kmoe_layer_backward", memory);
     if (!problem.str().empty()) problem << " (rank " << layer->rank() << ")";
     agree_arguments(layer->comm, problem.str(), "kmoe_layer_backward arguments", layer->watchdog());
     Exec exec;
-    RowMatrix<float, MS> h, g, x;
-    if (memory == KMOE_DEVICE || host_space) {
-      h = RowMatrix<float, MS>(const_cast<float*>(static_cast<float const*>(hidden)), tokens, d);
-      g = RowMatrix<float, MS>(const_cast<float*>(static_cast<float const*>(dout)), tokens, d);
-      x = RowMatrix<float, MS>(static_cast<float*>(dx), tokens, d);
-    } else {
-      using HostRows = Kokkos::View<float const**, Kokkos::LayoutRight, Kokkos::HostSpace>;
-      h = RowMatrix<float, MS>("kmoe::hidden", tokens, d);
-      g = RowMatrix<float, MS>("kmoe::dout", tokens, d);
-      x = RowMatrix<float, MS>("kmoe::dx", tokens, d);
-      Kokkos::deep_copy(h, HostRows(static_cast<float const*>(hidden), tokens, d));
-      Kokkos::deep_copy(g, HostRows(static_cast<float const*>(dout), tokens, d));
-    }
+    auto h = caller_rows_in<float>(hidden, tokens, d, memory, "kmoe::hidden");
+    auto g = caller_rows_in<float>(dout, tokens, d, memory, "kmoe::dout");
+    auto x = caller_rows_out<float>(dx, tokens, d, memory, "kmoe::dx");
     layer->fp32->backward(exec, h, g, x, layer->grads);
     layer->has_grads = true;
-    if (memory == KMOE_HOST && !host_space)
-      Kokkos::deep_copy(Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<float*>(dx), tokens, d), x);
+    caller_rows_out_done(x, dx, memory);
     Compat::fence(exec, "kmoe_layer_backward");
   });
 }
