@@ -15,11 +15,23 @@
 // list format that --write-placement writes). Ranks are node-major (node n
 // holds ranks [n R/N, (n+1) R/N)). The run ends with one line
 // "PERFORMANCE layers=... max_over_mean_before=... max_over_mean_after=...".
+//
+//   kmoe-eplb --trace routes/ --rebalance-every 20 --slots 72 --nodes 2 --ranks 8 [--write-series s.csv]
+//
+// drives the placement by a routing trace (KokkosMoE_RouteTrace.hpp; e.g.
+// from scripts/make_trace.py or kmoe-layer's record_routes): the load of
+// every step is its accepted routes per expert; every --rebalance-every
+// steps EPLB places the experts again from the loads of the window that just
+// ended (the first window runs on the contiguous placement), with the
+// migration that switch needs. Per step it reports the max/mean rank load
+// of the static contiguous placement (before rebalancing) and of the placement
+// in force (after); the run ends with "PERFORMANCE mode=trace ...".
 
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Eplb.hpp>
 #include <KokkosMoE_Migration.hpp>
 #include <KokkosMoE_PlacementIO.hpp>
+#include <KokkosMoE_RouteTrace.hpp>
 #include <KokkosMoE_Version.hpp>
 
 #include <CLI/CLI.hpp>
@@ -29,6 +41,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -91,9 +104,87 @@ struct Options {
   std::uint64_t version = 0;
   std::uint64_t generation = 1;
   bool brief = false;
+  std::string trace;
+  int rebalance_every = 10;
+  int experts = 0;
+  std::string write_series;
 };
 
+/// Placement driven by a routing trace (see the file comment).
+int run_trace(Options const& o, MPI_Comm comm) {
+  int const me = comm_rank(comm);
+  auto const trace = read_route_trace(comm, o.trace);
+  int const E = o.experts > 0 ? o.experts : trace.max_expert() + 1;
+  KOKKOSMOE_REQUIRE(E > 0 && trace.max_expert() < E,
+                    o.trace << ": routes to expert " << trace.max_expert() << " but --experts is " << E);
+  PlacementSpec spec;
+  spec.policy = from_string<PlacementPolicy>(o.policy);
+  KOKKOSMOE_REQUIRE(spec.policy != PlacementPolicy::explicit_slots, "--trace rebalances by EPLB policies, not an explicit placement");
+  spec.ranks = o.ranks > 0 ? o.ranks : trace.ranks;
+  spec.nodes = o.nodes;
+  spec.groups = o.groups;
+  spec.physical_slots = o.slots > 0 ? o.slots : E;
+  KOKKOSMOE_REQUIRE(spec.nodes > 0 && spec.ranks % spec.nodes == 0,
+                    "--ranks (" << spec.ranks << ") must be a positive multiple of --nodes (" << spec.nodes << ")");
+  std::vector<int> node_of_rank(static_cast<std::size_t>(spec.ranks));
+  for (int r = 0; r < spec.ranks; ++r) node_of_rank[static_cast<std::size_t>(r)] = r / (spec.ranks / spec.nodes);
+  Placement const fixed = Placement::contiguous(E, spec.ranks, node_of_rank);
+  Placement current = fixed;
+  std::vector<double> window(static_cast<std::size_t>(E), 0.0);
+  std::ostringstream out, csv;
+  out << "kmoe-eplb: trace " << o.trace << " (" << trace.steps << " steps x " << trace.ranks << " ranks x " << trace.tokens
+      << " tokens x top-" << trace.top_k << "), " << E << " experts on " << spec.ranks << " ranks / " << spec.nodes << " nodes, "
+      << spec.physical_slots << " slots, policy " << o.policy << ", rebalance every " << o.rebalance_every << " steps\n"
+      << "step  generation  max/mean before (contiguous)  max/mean after (rebalanced)\n";
+  csv << "step,generation,max_over_mean_before,max_over_mean_after,migrated_bytes\n";
+  double sum_before = 0, sum_after = 0, worst_before = 0, worst_after = 0;
+  int generation = 0;
+  std::int64_t migrated = 0, switch_bytes = 0;
+  for (int s = 0; s < trace.steps; ++s) {
+    auto const load = trace.step_load(s, E);
+    double const before = rank_load_summary(fixed, load).max_over_mean;
+    double const after = rank_load_summary(current, load).max_over_mean;
+    sum_before += before;
+    sum_after += after;
+    worst_before = std::max(worst_before, before);
+    worst_after = std::max(worst_after, after);
+    out << std::setw(4) << s << std::setw(12) << generation << std::setw(30) << before << std::setw(29) << after << "\n";
+    csv << s << "," << generation << "," << before << "," << after << "," << switch_bytes << "\n";
+    switch_bytes = 0;
+    for (int e = 0; e < E; ++e) window[static_cast<std::size_t>(e)] += load[static_cast<std::size_t>(e)];
+    if ((s + 1) % o.rebalance_every == 0 && s + 1 < trace.steps) {
+      spec.generation = static_cast<std::uint64_t>(++generation);
+      auto const next = build_placements({window}, spec).front().placement;
+      auto const plan = plan_migration(current, next, o.bytes_per_expert);
+      for (auto act : {MigrationAction::same_node_copy, MigrationAction::cross_node_copy}) switch_bytes += plan.totals.bytes_of(act);
+      migrated += switch_bytes;
+      current = next;
+      std::fill(window.begin(), window.end(), 0.0);
+    }
+  }
+  double const n = static_cast<double>(trace.steps);
+  out << "PERFORMANCE mode=trace steps=" << trace.steps << " rebalance_every=" << o.rebalance_every << " generations=" << generation + 1
+      << " mean_max_over_mean_before=" << sum_before / n << " mean_max_over_mean_after=" << sum_after / n
+      << " max_max_over_mean_before=" << worst_before << " max_max_over_mean_after=" << worst_after << " migrated_bytes=" << migrated << "\n";
+  collective(comm, "writing the series", [&] {
+    if (me != 0) return;
+    if (!o.write_series.empty()) {
+      std::ofstream f(o.write_series);
+      f << csv.str();
+      KOKKOSMOE_REQUIRE(f.good(), "cannot write series file '" << o.write_series << "'");
+      out << "wrote " << o.write_series << "\n";
+    }
+    std::cout << out.str();
+    std::cout.flush();
+  });
+  return 0;
+}
+
 int run(Options const& o, MPI_Comm comm) {
+  if (!o.trace.empty()) {
+    KOKKOSMOE_REQUIRE(o.load_file.empty() && o.load_lists.empty(), "give either --trace or loads (--load-file / --load), not both");
+    return run_trace(o, comm);
+  }
   int const me = comm_rank(comm);
   // Loads: every rank reads the same matrix (collectively) or parses the same options.
   std::vector<std::vector<double>> load;
@@ -276,6 +367,10 @@ int main(int argc, char* argv[]) {
     app.add_option("--generation", o.generation, "generation id of the new placement");
     app.add_option("--write-loads", o.write_loads, "write the loads read (.h5/.hdf5: HDF5 \"/load\" [L, E]; else JSON)");
     app.add_flag("--brief", o.brief, "omit the per-slot migration steps");
+    app.add_option("--trace", o.trace, "routing trace (.h5, or a directory of experts.npy/gates.npy): rebalance as its load drifts");
+    app.add_option("--rebalance-every", o.rebalance_every, "--trace: steps per placement generation")->check(CLI::PositiveNumber);
+    app.add_option("--experts", o.experts, "--trace: number of experts (default: largest id in the trace + 1)")->check(CLI::PositiveNumber);
+    app.add_option("--write-series", o.write_series, "--trace: per-step CSV (step, generation, max/mean before and after, migrated bytes)");
     app.allow_extras();  // --kokkos-* arguments pass through
     bool stop = false;
     try {

@@ -41,6 +41,7 @@
 #include <cstring>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 namespace {
@@ -146,6 +147,7 @@ class LayerRun {
     if (deck.bias_update != "none")
       bias_ = std::make_unique<BiasController>(from_string<BiasUpdateRule>(deck.bias_update), BiasSchedule::constant(deck.bias_gamma));
     outs_.resize(algorithms_.size());
+    if (deck.tokens.source == "trace") trace_ = Setup::load_trace(deck, world_);
   }
 
   int run() {
@@ -158,6 +160,7 @@ class LayerRun {
       step_routes(step, hidden);
       std::vector<std::vector<float>> host_out(algorithms_.size());
       for (std::size_t a = 0; a < algorithms_.size(); ++a) forward(a, hidden, measured, host_out[a]);
+      if (!deck_.run.record_routes.empty()) record_routes(world_, table_, recorded_, watchdog_);
       if (measured && algorithms_.size() > 1) compare_outputs(host_out);
       expert_load(measured);
       if (rank_ == 0 && measured && ((step - warmup_ + 1) % every == 0 || step + 1 == warmup_ + steps_) && steps_ >= 20) {
@@ -166,6 +169,13 @@ class LayerRun {
       }
     }
     for (std::size_t a = 0; a < algorithms_.size(); ++a) totals_[name(a)].output_digest = output_digest(outs_[a], world_, watchdog_);
+    if (!deck_.run.record_routes.empty())
+      collective(world_, "writing the route trace", [&] {
+        if (rank_ != 0) return;
+        write_route_trace(deck_.run.record_routes, recorded_, deck_.model.experts);
+        std::printf("routes: %s (%d steps x %d ranks x %lld tokens x top-%d)\n", deck_.run.record_routes.c_str(), recorded_.steps,
+                    recorded_.ranks, static_cast<long long>(recorded_.tokens), recorded_.top_k);
+      });
     if (opt_.print_output) print_outputs();
     summary();
     return 0;
@@ -189,7 +199,9 @@ class LayerRun {
   void step_routes(int step, RowMatrix<T, MS> const& hidden) {
     router_seconds_ = 0;
     explicit_slot_ = {};
-    if (deck_.tokens.source != "router") {
+    if (trace_) {
+      table_ = trace_routes<MS>(*trace_, step, rank_, deck_.model.experts);
+    } else if (deck_.tokens.source != "router") {
       table_ = Setup::sampled_routes<MS>(exec_, deck_, setup_.config, step, first_, tokens_, rank_, explicit_slot_);
     } else if (algorithms_.size() > 1) {
       Kokkos::Timer t;
@@ -435,6 +447,8 @@ class LayerRun {
   std::unique_ptr<BiasController> bias_;
   std::vector<RowMatrix<T, MS>> outs_;
   RouteTable<MS> table_;
+  std::optional<RouteTrace> trace_;  // tokens.source = "trace"
+  RouteTrace recorded_;              // run.record_routes
   Kokkos::View<int**, Kokkos::LayoutRight, MS> explicit_slot_;
   double router_seconds_ = 0;
   std::vector<index_t> counts_;

@@ -11,10 +11,13 @@
 #include <KokkosMoE_Payload.hpp>
 #include <KokkosMoE_Types.hpp>
 
+#include <memory>
 #include <string>
 
 namespace KokkosMoE {
 namespace Exchange {
+
+class FabricEmulator;
 
 /// \brief Exchange algorithms; every one implements the contract of
 /// KokkosMoE_Exchange.hpp (dispatch / combine through a handle).
@@ -56,6 +59,10 @@ struct TransportOptions {
   /// refilled while MPI may still read it becomes an error instead of
   /// silently wrong rows. Costs a pass over the rows; off by default.
   bool verify_send_rows = false;
+  /// An emulated fabric (virtual layouts, MPI transport): every message the
+  /// transport sends between emulated links completes no earlier than the
+  /// fabric's model allows (KokkosMoE_Exchange_Fabric.hpp). Null: none.
+  std::shared_ptr<FabricEmulator> fabric;
 };
 
 /// \brief Configuration of one exchange (any algorithm).
@@ -66,6 +73,7 @@ struct ExchangeConfig {
   PayloadType return_payload = PayloadType::bf16;  ///< combine rows on the wire
   double watchdog_seconds = 300.0;                 ///< see TransportOptions
   bool verify_send_rows = false;                   ///< see TransportOptions
+  std::shared_ptr<FabricEmulator> fabric;          ///< see TransportOptions
   // Pooled-wave static shape (A = tokens_per_rank * top_k routes per rank).
   int waves = 1;                 ///< W
   double sender_cf = 1.25;       ///< sender pool rows ceil(sender_cf * A / P / W)
@@ -73,7 +81,7 @@ struct ExchangeConfig {
   index_t tokens_per_rank = 0;   ///< the largest token count of any rank
   int top_k = 1;
 
-  TransportOptions transport_options() const { return TransportOptions{watchdog_seconds, verify_send_rows}; }
+  TransportOptions transport_options() const { return TransportOptions{watchdog_seconds, verify_send_rows, fabric}; }
 };
 
 }  // namespace Exchange

@@ -52,7 +52,7 @@ void check_runs(RowRuns const& runs, std::vector<index_t> const& counts, index_t
 
 void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, RowRuns const& send_runs,
-               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending) {
+               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending, TransportOptions const& options) {
   int const P = comm.size();
   int const me = comm.my_slot();
   if (row_bytes == 0) return;
@@ -76,14 +76,7 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
         rows += static_cast<std::size_t>(n);
         ++count;
       }
-    auto issue = [&](void* buf, int n, MPI_Datatype type) {
-      MPI_Request r;
-      if (receive)
-        KOKKOSMOE_MPI_CHECK(MPI_Irecv(buf, n, type, p, tag, comm.comm(), &r), comm.comm());
-      else
-        KOKKOSMOE_MPI_CHECK(MPI_Isend(buf, n, type, p, tag, comm.comm(), &r), comm.comm());
-      pending.push_back(Pending{r, p, receive});
-    };
+    auto issue = [&](void* buf, int n, MPI_Datatype type) { Impl::post(comm, receive, buf, n, type, p, tag, pending, options); };
     if (count > 1 && rows * row_bytes < count * (std::size_t(64) << 10)) {
       std::vector<int> lengths, displs;
       for (auto const& [first, n] : runs)
@@ -112,11 +105,67 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
   MPI_Type_free(&row);  // deferred by MPI until the operations complete
 }
 
-void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending) {
-  for (auto& p : pending) {
+namespace {
+
+/// Stamps travel with their own tags, clear of the data tags (6997..7999).
+constexpr int stamp_tag_offset = 16384;
+
+/// Advances one operation; true once it is complete (its data, its stamp
+/// and, over an emulated link, its emulated time).
+bool advance(Topology::Communicator const& comm, Pending& p, FabricEmulator* fabric) {
+  if (!p.data_done) {
     int flag = 0;
     KOKKOSMOE_MPI_CHECK(MPI_Test(&p.request, &flag, MPI_STATUS_IGNORE), comm.comm());
+    p.data_done = flag != 0;
   }
+  if (!p.stamp_done) {
+    int flag = 0;
+    KOKKOSMOE_MPI_CHECK(MPI_Test(&p.stamp_request, &flag, MPI_STATUS_IGNORE), comm.comm());
+    if (flag) {
+      p.stamp_done = true;
+      if (p.receive) p.done_ns = fabric->arrive(comm.global_rank(p.peer_slot), *p.stamp);
+    }
+  }
+  return p.data_done && p.stamp_done && (p.done_ns == 0 || FabricEmulator::now_ns() >= p.done_ns);
+}
+
+}  // namespace
+
+void post(Topology::Communicator const& comm, bool receive, void* buf, int count, MPI_Datatype type, int peer, int tag,
+          std::vector<Pending>& pending, TransportOptions const& options) {
+  Pending op;
+  op.request = MPI_REQUEST_NULL;
+  op.peer_slot = peer;
+  op.receive = receive;
+  FabricEmulator* fabric = options.fabric.get();
+  int const me = comm.global_rank(comm.my_slot());
+  bool const emulated = fabric && fabric->link(receive ? comm.global_rank(peer) : me, receive ? me : comm.global_rank(peer)) != FabricLink::none;
+  if (receive) {
+    KOKKOSMOE_MPI_CHECK(MPI_Irecv(buf, count, type, peer, tag, comm.comm(), &op.request), comm.comm());
+    if (emulated) {
+      op.stamp = std::make_shared<FabricEmulator::Stamp>();
+      op.stamp_done = false;
+      KOKKOSMOE_MPI_CHECK(MPI_Irecv(op.stamp.get(), 2, MPI_INT64_T, peer, tag + stamp_tag_offset, comm.comm(), &op.stamp_request), comm.comm());
+    }
+  } else {
+    if (emulated) {
+      int size = 0;
+      KOKKOSMOE_MPI_CHECK(MPI_Type_size(type, &size), comm.comm());
+      op.stamp = std::make_shared<FabricEmulator::Stamp>(
+          fabric->depart(comm.global_rank(peer), static_cast<std::size_t>(size) * static_cast<std::size_t>(count)));
+      op.done_ns = op.stamp->egress_end_ns;
+    }
+    KOKKOSMOE_MPI_CHECK(MPI_Isend(buf, count, type, peer, tag, comm.comm(), &op.request), comm.comm());
+    if (emulated) {
+      op.stamp_done = false;
+      KOKKOSMOE_MPI_CHECK(MPI_Isend(op.stamp.get(), 2, MPI_INT64_T, peer, tag + stamp_tag_offset, comm.comm(), &op.stamp_request), comm.comm());
+    }
+  }
+  pending.push_back(std::move(op));
+}
+
+void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending, TransportOptions const& options) {
+  for (auto& p : pending) advance(comm, p, options.fabric.get());
 }
 
 void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending, char const* what,
@@ -124,25 +173,34 @@ void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending,
   Watchdog dog(options.watchdog_seconds);
   std::size_t done = 0;
   std::vector<char> complete(pending.size(), 0);
+  FabricEmulator* fabric = options.fabric.get();
+  std::int64_t const entered = fabric ? FabricEmulator::now_ns() : 0;
   while (done < pending.size()) {
+    std::int64_t next_ns = 0;  // earliest emulated completion still ahead (0: none)
     for (std::size_t i = 0; i < pending.size(); ++i) {
       if (complete[i]) continue;
-      int flag = 0;
-      KOKKOSMOE_MPI_CHECK(MPI_Test(&pending[i].request, &flag, MPI_STATUS_IGNORE), comm.comm());
-      if (flag) {
+      if (advance(comm, pending[i], fabric)) {
         complete[i] = 1;
         ++done;
+      } else if (pending[i].data_done && pending[i].stamp_done && pending[i].done_ns > 0) {
+        next_ns = next_ns == 0 ? pending[i].done_ns : std::min(next_ns, pending[i].done_ns);
       }
     }
     if (done == pending.size()) break;
+    // Only emulated time left for some: hold until the first of them (never
+    // past the watchdog's next look).
+    if (next_ns > 0) FabricEmulator::wait_until(std::min(next_ns, FabricEmulator::now_ns() + 10000000));
     if (dog.expired()) {
       // Each missing peer once per direction, in peer-slot order.
       std::set<int> recv_from, send_to;
       for (std::size_t i = 0; i < pending.size(); ++i) {
         if (complete[i]) continue;
         (pending[i].receive ? recv_from : send_to).insert(pending[i].peer_slot);
-        if (pending[i].receive) MPI_Cancel(&pending[i].request);
-        MPI_Request_free(&pending[i].request);
+        for (MPI_Request* r : {&pending[i].request, &pending[i].stamp_request}) {
+          if (*r == MPI_REQUEST_NULL) continue;
+          if (pending[i].receive) MPI_Cancel(r);
+          MPI_Request_free(r);
+        }
       }
       pending.clear();
       auto list = [&](std::set<int> const& slots) {
@@ -158,6 +216,13 @@ void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending,
                                     << " - did those ranks skip this call?",
                                dog.limit());
     }
+  }
+  if (fabric) {
+    // The time this wait was held back by the emulation beyond the real transfers.
+    double const waited = 1e-9 * static_cast<double>(FabricEmulator::now_ns() - entered);
+    std::int64_t latest = 0;
+    for (auto const& p : pending) latest = std::max(latest, p.done_ns);
+    if (latest > entered) fabric->add_held(std::min(waited, 1e-9 * static_cast<double>(latest - entered)));
   }
   pending.clear();
 }
@@ -186,16 +251,10 @@ AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_
       agreed.recv[p] = out[p];
       continue;
     }
-    MPI_Request r;
-    KOKKOSMOE_MPI_CHECK(MPI_Irecv(&agreed.recv[p], 1, MPI_INT64_T, p, 6999, comm.comm(), &r), comm.comm());
-    pending.push_back(Impl::Pending{r, p, true});
+    Impl::post(comm, true, &agreed.recv[p], 1, MPI_INT64_T, p, 6999, pending, options);
   }
-  for (int p = 0; p < P; ++p) {
-    if (p == me) continue;
-    MPI_Request r;
-    KOKKOSMOE_MPI_CHECK(MPI_Isend(&out[p], 1, MPI_INT64_T, p, 6999, comm.comm(), &r), comm.comm());
-    pending.push_back(Impl::Pending{r, p, false});
-  }
+  for (int p = 0; p < P; ++p)
+    if (p != me) Impl::post(comm, false, &out[p], 1, MPI_INT64_T, p, 6999, pending, options);
   Impl::wait_all(comm, pending, what, options);
 
   if (problem.empty()) {
@@ -254,29 +313,16 @@ std::vector<std::vector<index_t>> exchange_run_lengths(Topology::Communicator co
   std::vector<Impl::Pending> pending;
   for (int p = 0; p < P; ++p) {
     if (p == me) continue;
-    MPI_Request r;
-    KOKKOSMOE_MPI_CHECK(MPI_Irecv(&in_n[static_cast<std::size_t>(p)], 1, MPI_INT64_T, p, 6998, comm.comm(), &r), comm.comm());
-    pending.push_back(Impl::Pending{r, p, true});
-    KOKKOSMOE_MPI_CHECK(MPI_Isend(&out_n[static_cast<std::size_t>(p)], 1, MPI_INT64_T, p, 6998, comm.comm(), &r), comm.comm());
-    pending.push_back(Impl::Pending{r, p, false});
+    Impl::post(comm, true, &in_n[static_cast<std::size_t>(p)], 1, MPI_INT64_T, p, 6998, pending, options);
+    Impl::post(comm, false, &out_n[static_cast<std::size_t>(p)], 1, MPI_INT64_T, p, 6998, pending, options);
   }
   Impl::wait_all(comm, pending, what, options);
   for (int p = 0; p < P; ++p) {
     if (p == me) continue;
     in[static_cast<std::size_t>(p)].resize(static_cast<std::size_t>(in_n[static_cast<std::size_t>(p)]));
-    MPI_Request r;
-    if (!in[static_cast<std::size_t>(p)].empty()) {
-      KOKKOSMOE_MPI_CHECK(MPI_Irecv(in[static_cast<std::size_t>(p)].data(), static_cast<int>(in_n[static_cast<std::size_t>(p)]), MPI_INT64_T,
-                                    p, 6997, comm.comm(), &r),
-                          comm.comm());
-      pending.push_back(Impl::Pending{r, p, true});
-    }
-    if (!out[static_cast<std::size_t>(p)].empty()) {
-      KOKKOSMOE_MPI_CHECK(MPI_Isend(out[static_cast<std::size_t>(p)].data(), static_cast<int>(out_n[static_cast<std::size_t>(p)]), MPI_INT64_T,
-                                    p, 6997, comm.comm(), &r),
-                          comm.comm());
-      pending.push_back(Impl::Pending{r, p, false});
-    }
+    auto const q = static_cast<std::size_t>(p);
+    if (!in[q].empty()) Impl::post(comm, true, in[q].data(), static_cast<int>(in_n[q]), MPI_INT64_T, p, 6997, pending, options);
+    if (!out[q].empty()) Impl::post(comm, false, out[q].data(), static_cast<int>(out_n[q]), MPI_INT64_T, p, 6997, pending, options);
   }
   Impl::wait_all(comm, pending, what, options);
   return in;

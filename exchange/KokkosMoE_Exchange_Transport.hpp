@@ -16,6 +16,7 @@
 #include <KokkosMoE_Digest.hpp>
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Exchange_Config.hpp>
+#include <KokkosMoE_Exchange_Fabric.hpp>
 #include <KokkosMoE_PayloadBuffer.hpp>
 #include <KokkosMoE_RowKit.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
@@ -118,15 +119,29 @@ class RowsInFlight {
 
 namespace Impl {
 
-/// A pending nonblocking operation with the peer it waits for.
+/// A pending nonblocking operation with the peer it waits for. Over an
+/// emulated fabric link it also carries its stamp message (sent after the
+/// data by a sender, received by a receiver) and completes only once the
+/// emulated time `done_ns` has come (see KokkosMoE_Exchange_Fabric.hpp).
 struct Pending {
-  MPI_Request request;
-  int peer_slot;
-  bool receive;
+  MPI_Request request = MPI_REQUEST_NULL;
+  int peer_slot = -1;
+  bool receive = false;
+  MPI_Request stamp_request = MPI_REQUEST_NULL;
+  std::shared_ptr<FabricEmulator::Stamp> stamp;  ///< the stamp's buffer (emulated links)
+  std::int64_t done_ns = 0;                       ///< emulated completion (receives: once the stamp is in)
+  bool data_done = false;
+  bool stamp_done = true;
 };
 
+/// Posts one nonblocking send or receive of `count` elements of `type` with
+/// the peer in slot `peer` of comm, appending it to pending; with an emulated
+/// fabric in options, also its stamp.
+void post(Topology::Communicator const& comm, bool receive, void* buf, int count, MPI_Datatype type, int peer, int tag,
+          std::vector<Pending>& pending, TransportOptions const& options);
+
 /// Tests every request once (advances the transfers, never blocks).
-void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending);
+void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending, TransportOptions const& options = {});
 
 /// Waits for every request under the watchdog. On timeout cancels what is
 /// left and throws Error naming the communicator, this rank and the peer slots
@@ -161,7 +176,7 @@ std::uint64_t sent_rows_digest(Kokkos::View<unsigned char**, Kokkos::LayoutRight
 /// run. Self rows are not posted.
 void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, RowRuns const& send_runs,
-               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending);
+               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending, TransportOptions const& options = {});
 
 /// The rank's own rows: its send runs copied to its receive runs, in order.
 template <class Exec, class DstView, class SrcView>
@@ -228,7 +243,7 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     int tag = 7000;
     for (auto const& s : sets)
       Impl::post_rows(comm, s.recv.data(), s.send.data(), s.send.extent(1), send_counts, recv_counts, s.send_runs, s.recv_runs,
-                      tag++, pending);
+                      tag++, pending, options);
     if (!start) {
       Impl::wait_all(comm, pending, what, options);
       return {};
@@ -241,7 +256,7 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     std::vector<std::uint64_t> digests;
     if (options.verify_send_rows)
       for (auto const& s : sets) digests.push_back(Impl::sent_rows_digest(s.send, s.send_runs, soff, me));
-    return RowsInFlight([state, c] { Impl::test_all(*c, *state); },
+    return RowsInFlight([state, c, options] { Impl::test_all(*c, *state, options); },
                         [state, c, sets, label, options, digests, soff, me] {
                           Impl::wait_all(*c, *state, label.c_str(), options);
                           for (std::size_t i = 0; i < digests.size(); ++i)
@@ -264,7 +279,7 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     // Keep the self segment already written on the device: receive into the
     // host mirror, then copy only the peer segments back.
     Impl::post_rows(comm, hr[i].data(), hs[i].data(), sets[i].send.extent(1), send_counts, recv_counts, sets[i].send_runs,
-                    sets[i].recv_runs, tag++, pending);
+                    sets[i].recv_runs, tag++, pending, options);
   }
   Impl::wait_all(comm, pending, what, options);
   for (std::size_t i = 0; i < sets.size(); ++i)

@@ -11,6 +11,12 @@ Writes stage_breakdown.png, ledger_bytes.png, schedule.png and, with the HDF5 fi
 drops_and_load.png; for a training run ([run] mode = "train"), loss_curve.png
 (loss, gradient norm and balance loss per step) and backward_stages.png;
 prints the paths it wrote.
+
+Given a sweep table of kmoe-exchange --sweep (sweep.json), draws sweep.png:
+dispatch + combine seconds per algorithm against the swept value, measured
+(or emulated) as solid lines and the cost model's prediction dashed, with
+the flat/hierarchical crossover marked where the order of the two changes
+(measured and predicted separately).
 """
 
 import argparse
@@ -171,9 +177,64 @@ def backward_stages(report, out):
     return save(fig, out, "backward_stages.png")
 
 
+def crossovers(values, a, b):
+    """Swept values between which series a stops (or starts) being faster than b."""
+    out = []
+    for i in range(1, len(values)):
+        if None in (a[i - 1], a[i], b[i - 1], b[i]):
+            continue
+        d0, d1 = a[i - 1] - b[i - 1], a[i] - b[i]
+        if d0 == 0 or d0 * d1 < 0:
+            # linear interpolation of the difference's zero
+            x = values[i - 1] + (values[i] - values[i - 1]) * (d0 / (d0 - d1) if d0 != d1 else 0.0)
+            out.append(x)
+    return out
+
+
+def sweep_plot(table, out):
+    rows = table["rows"]
+    key = table["key"]
+    try:
+        order = sorted({float(r["value"]) for r in rows})
+        numeric = True
+    except ValueError:
+        order = list(dict.fromkeys(r["value"] for r in rows))
+        numeric = False
+    xs = order if numeric else list(range(len(order)))
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {}
+    for i, a in enumerate(algorithms):
+        color = f"C{i}"
+        for field, style, what in (("total_s", "-o", table.get("evidence", "measured")), ("model_total_s", "--x", "model")):
+            ys = []
+            for v in order:
+                match = [r for r in rows if r["algorithm"] == a and (float(r["value"]) if numeric else r["value"]) == v]
+                ys.append(match[0][field] if match and match[0][field] is not None else None)
+            series[(a, field)] = ys
+            if any(y is not None for y in ys):
+                pts = [(x, 1e3 * y) for x, y in zip(xs, ys) if y is not None]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=f"{a} ({what})")
+    for field, ls in (("total_s", ":"), ("model_total_s", "-.")):
+        a, b = series.get(("flat", field)), series.get(("hierarchical", field))
+        if a and b and numeric:
+            for x in crossovers(xs, a, b):
+                ax.axvline(x, color="gray", linestyle=ls, linewidth=1)
+                ax.annotate(f"crossover ({'model' if field.startswith('model') else table.get('evidence', 'measured')})\n{key} ~ {x:.3g}",
+                            (x, ax.get_ylim()[1]), fontsize=7, ha="left", va="top", rotation=90)
+    if not numeric:
+        ax.set_xticks(xs)
+        ax.set_xticklabels(order)
+    ax.set_xlabel(key)
+    ax.set_ylabel("dispatch + combine, ms (slowest rank)")
+    ax.set_title(f"kmoe-exchange sweep of {key}, {table.get('ranks', '?')} ranks ({table.get('evidence', 'measured')} vs model)")
+    ax.legend(fontsize=7)
+    return save(fig, out, "sweep.png")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("report", help="JSON report of kmoe-layer")
+    parser.add_argument("report", help="JSON report of kmoe-layer, or a sweep table of kmoe-exchange --sweep")
     parser.add_argument("--hdf5", help="HDF5 time series of the same run (default: the report's name with .h5)")
     parser.add_argument("--out", help="output directory (default: <report dir>/figures)")
     args = parser.parse_args()
@@ -185,6 +246,12 @@ def main():
     except json.JSONDecodeError as e:
         fail(f"report '{args.report}' is not JSON: {e}")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.report)), "figures")
+    if report.get("format") == "kokkosmoe-sweep":
+        if not report.get("rows"):
+            fail(f"sweep '{args.report}' has no rows")
+        os.makedirs(out, exist_ok=True)
+        print(sweep_plot(report, out))
+        return
     if "train" in report:
         os.makedirs(out, exist_ok=True)
         for p in (loss_curve(report, out), backward_stages(report, out)):

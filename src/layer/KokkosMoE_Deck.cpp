@@ -103,6 +103,7 @@ void parse_run(Reader& r, LayerDeck& d) {
   d.run.seed = static_cast<std::uint64_t>(r.integer("run.seed", 1234, 0, std::numeric_limits<std::int64_t>::max()));
   d.run.report = r.string("run.report", "");
   d.run.hdf5 = r.string("run.hdf5", "");
+  d.run.record_routes = r.string("run.record_routes", "");
   d.run.progress_every = static_cast<int>(r.integer("run.progress_every", 0, 0, big));
   d.run.compare = r.options<Exchange::Algorithm>("run.compare");
   d.run.schedule = r.option<ScheduleKind>("run.schedule", ScheduleKind::serial);
@@ -189,7 +190,14 @@ void parse_router(Reader& r, LayerDeck& d) {
 /// [tokens]: synthetic distributions or explicit tokens of every rank
 void parse_tokens(Reader& r, LayerDeck& d, int ranks_for_layout) {
   d.tokens.per_rank = r.integer("tokens.per_rank", 64, 0, big);
-  d.tokens.source = r.choice("tokens.source", "router", {"router", "uniform", "zipf", "hot", "explicit"});
+  d.tokens.source = r.choice("tokens.source", "router", {"router", "uniform", "zipf", "hot", "explicit", "trace"});
+  d.tokens.trace = r.string("tokens.trace", "");
+  if (d.tokens.source == "trace" && d.tokens.trace.empty())
+    r.fail("tokens.source", "\"trace\" replays recorded routes: give tokens.trace (an .h5 file or a directory of .npy files)");
+  if (d.tokens.source != "trace" && !d.tokens.trace.empty())
+    r.fail("tokens.trace", "a trace is only read with tokens.source = \"trace\"");
+  if (d.tokens.source == "trace" && !r.has("tokens.per_rank"))
+    r.fail("tokens.trace", "a trace replay needs tokens.per_rank (the trace's tokens per rank)");
   d.tokens.zipf_s = r.real("tokens.zipf_s", 1.2, 0.0, huge, true);
   d.tokens.hot_expert = static_cast<int>(r.integer("tokens.hot_expert", 0, 0, d.model.experts - 1));
   d.tokens.hot_fraction = r.real("tokens.hot_fraction", 0.5, 0.0, 1.0);
@@ -282,6 +290,18 @@ void parse_topology(Reader& r, LayerDeck& d, int ranks_for_layout) {
                                              std::to_string(min_rpn) + " ranks of the smallest node");
   } else if (d.topology.ranks_per_node > 0 || !d.topology.node_of_rank.empty() || d.topology.nodes > 0) {
     r.fail("topology.layout", "\"hwloc\" takes nodes from the machine; remove topology.nodes / ranks_per_node / node_of_rank");
+  }
+  if (r.has("topology.fabric")) {
+    auto& f = d.topology.fabric;
+    f.inter_latency_us = r.real("topology.fabric.inter_latency_us", 0.0, 0.0, 1e9);
+    f.inter_bandwidth_gbps = r.real("topology.fabric.inter_bandwidth_gbps", 0.0, 0.0, 1e9, true);
+    f.nics_per_node = static_cast<int>(r.integer("topology.fabric.nics_per_node", 1, 1, 1024));
+    f.intra_latency_us = r.real("topology.fabric.intra_latency_us", 0.0, 0.0, 1e9);
+    f.intra_bandwidth_gbps = r.real("topology.fabric.intra_bandwidth_gbps", 0.0, 0.0, 1e9);
+    if (!r.has("topology.fabric.inter_bandwidth_gbps"))
+      r.fail("topology.fabric", "an emulated fabric needs inter_bandwidth_gbps (GB/s per NIC)");
+    if (d.topology.layout == Topology::LayoutKind::hwloc)
+      r.fail("topology.fabric", "an emulated fabric needs a virtual or synthetic layout (its nodes are declared, not real)");
   }
   if (d.topology.layout == Topology::LayoutKind::synthetic && d.topology.synthetic.empty() == d.topology.xml.empty())
     r.fail("topology.synthetic", "a synthetic layout needs exactly one of topology.synthetic and topology.xml");
@@ -430,7 +450,7 @@ std::string LayerDeck::resolved() const {
   os.precision(9);  // floats (gates, rows, scales) parse back to the same values
   os << "# resolved configuration of " << path << "\n";
   os << "[run]\nsteps = " << run.steps << "\nwarmup = " << run.warmup << "\nseed = " << run.seed << "\nreport = " << quoted(run.report)
-     << "\nhdf5 = " << quoted(run.hdf5) << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(names_of_values(run.compare))
+     << "\nhdf5 = " << quoted(run.hdf5) << "\nrecord_routes = " << quoted(run.record_routes) << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(names_of_values(run.compare))
      << "\nschedule = " << quoted(to_string(run.schedule)) << "\nchunks = " << run.chunks << "\nmode = " << quoted(run.mode) << "\n";
   if (run.mode == "train")
     os << "\n[train]\noptimizer = " << quoted(train.optimizer) << "\nlearning_rate = " << train.learning_rate
@@ -451,6 +471,7 @@ std::string LayerDeck::resolved() const {
      << "\ncapacity_factor = " << router.admission.capacity_factor << "\ngemm = " << quoted(to_string(router_gemm)) << "\n";
   os << "\n[tokens]\n";
   if (tokens.source != "explicit") os << "per_rank = " << tokens.per_rank << "\n";
+  if (!tokens.trace.empty()) os << "trace = " << quoted(tokens.trace) << "\n";
   os << "source = " << quoted(tokens.source) << "\nzipf_s = " << tokens.zipf_s
      << "\nhot_expert = " << tokens.hot_expert << "\nhot_fraction = " << tokens.hot_fraction << "\n";
   for (auto const& rk : tokens.ranks) {
@@ -474,6 +495,11 @@ std::string LayerDeck::resolved() const {
   if (!topology.xml.empty()) os << "xml = " << quoted(topology.xml) << "\n";
   os << "peer_order = " << toml_list(topology.peer_order) << "\nrelays_per_node = " << topology.relays_per_node
      << "\nrelay_policy = " << quoted(to_string(topology.relay_policy)) << "\n";
+  if (topology.fabric.enabled())
+    os << "\n[topology.fabric]\ninter_latency_us = " << topology.fabric.inter_latency_us
+       << "\ninter_bandwidth_gbps = " << topology.fabric.inter_bandwidth_gbps << "\nnics_per_node = " << topology.fabric.nics_per_node
+       << "\nintra_latency_us = " << topology.fabric.intra_latency_us << "\nintra_bandwidth_gbps = " << topology.fabric.intra_bandwidth_gbps
+       << "\n";
   os << "\n[placement]\npolicy = " << quoted(to_string(placement.policy)) << "\n";
   if (is_eplb(placement.policy))
     os << "physical_slots = " << placement.physical_slots << "\ngroups = " << placement.groups << "\nloads = " << toml_list_of(placement.loads)

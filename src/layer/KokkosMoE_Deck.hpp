@@ -10,6 +10,7 @@
 
 #include <KokkosMoE_Eplb.hpp>
 #include <KokkosMoE_Exchange_Config.hpp>
+#include <KokkosMoE_Exchange_Fabric.hpp>
 #include <KokkosMoE_Experts_Runner.hpp>
 #include <KokkosMoE_Gemm.hpp>
 #include <KokkosMoE_Payload.hpp>
@@ -60,6 +61,7 @@ struct LayerDeck {
     std::uint64_t seed = 1234;
     std::string report;           ///< JSON report path ("" none)
     std::string hdf5;             ///< HDF5 time series path ("" none)
+    std::string record_routes;    ///< routes of every step to this trace ("" none; KokkosMoE_RouteTrace.hpp)
     int progress_every = 0;       ///< steps between progress lines (0: about 10 lines per run)
     std::vector<KokkosMoE::Exchange::Algorithm> compare;  ///< algorithms run side by side on the same routes
     ScheduleKind schedule = ScheduleKind::serial;  ///< how a step's tasks overlap
@@ -97,7 +99,8 @@ struct LayerDeck {
 
   struct Tokens {
     index_t per_rank = 64;
-    std::string source = "router";  ///< router, uniform, zipf, hot, explicit
+    std::string source = "router";  ///< router, uniform, zipf, hot, explicit, trace
+    std::string trace;              ///< source "trace": routes to replay (KokkosMoE_RouteTrace.hpp)
     double zipf_s = 1.2;
     int hot_expert = 0;
     double hot_fraction = 0.5;
@@ -115,6 +118,9 @@ struct LayerDeck {
     std::vector<int> peer_order;
     int relays_per_node = 1;
     KokkosMoE::Topology::RelayPolicy relay_policy = KokkosMoE::Topology::RelayPolicy::lowest_local_rank;
+    /// [topology.fabric]: an emulated fabric on a virtual layout (off unless
+    /// inter_bandwidth_gbps > 0; see KokkosMoE_Exchange_Fabric.hpp).
+    KokkosMoE::Exchange::FabricSpec fabric;
   } topology;
 
   struct Placement {

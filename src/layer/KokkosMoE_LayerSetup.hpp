@@ -15,6 +15,7 @@
 #include <KokkosMoE_Eplb.hpp>
 #include <KokkosMoE_Layer.hpp>
 #include <KokkosMoE_PlacementIO.hpp>
+#include <KokkosMoE_RouteTrace.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -168,7 +169,12 @@ inline Run make_run(LayerDeck const& deck, MPI_Comm comm) {
   collective(comm, "placement and layer configuration", [&] {
     run.placement = make_placement(deck, run.node_of_rank, comm);
     run.config = layer_config(deck, run.placement);
+    KOKKOSMOE_REQUIRE(!deck.topology.fabric.enabled() || deck.exchange.transport == Exchange::TransportKind::mpi,
+                      deck.path << ": [topology.fabric] emulates links in the MPI transport; exchange.transport is "
+                                << to_string(deck.exchange.transport));
   });
+  if (deck.topology.fabric.enabled())
+    run.config.exchange.fabric = std::make_shared<Exchange::FabricEmulator>(comm, run.node_of_rank, deck.topology.fabric);
   return run;
 }
 
@@ -252,6 +258,17 @@ RowMatrix<T, MS> hidden_rows(LayerDeck const& d, int step, index_t first, index_
   return m;
 }
 
+/// \brief Collective over comm: the deck's trace (tokens.source = "trace"),
+/// checked against the deck and the run's rank count; errors on every rank.
+inline RouteTrace load_trace(LayerDeck const& d, MPI_Comm comm) {
+  auto t = read_route_trace(comm, d.tokens.trace);
+  int const ranks = comm_size(comm);
+  collective(comm, "route trace", [&] {
+    check_route_trace(t, d.path + ": tokens.trace '" + d.tokens.trace + "'", ranks, d.model.top_k, d.model.experts, d.tokens.per_rank);
+  });
+  return t;
+}
+
 /// \brief A route table drawn from the deck's token distribution (uniform,
 /// zipf, hot) or its explicit routes, for `count` tokens from global token
 /// `first` at a step; admission per the deck's router settings. Explicit
@@ -259,6 +276,8 @@ RowMatrix<T, MS> hidden_rows(LayerDeck const& d, int step, index_t first, index_
 template <class MS, class Exec>
 RouteTable<MS> sampled_routes(Exec const& exec, LayerDeck const& d, LayerConfig const& config, int step, index_t first,
                               index_t count, int rank, Kokkos::View<int**, Kokkos::LayoutRight, MS>& explicit_slot) {
+  KOKKOSMOE_REQUIRE(d.tokens.source != "trace", d.path << ": tokens.source = \"trace\" replays recorded routes (Setup::load_trace and "
+                                                            "trace_routes; kmoe-layer and kmoe-exchange), it is not a distribution to draw from");
   int const E = d.model.experts, k = d.model.top_k;
   bool const expl = d.tokens.source == "explicit";
   index_t const T = expl ? static_cast<index_t>(d.tokens.ranks.at(static_cast<std::size_t>(rank)).hidden.size()) : count;

@@ -38,7 +38,7 @@ toml::node const* find_node(toml::table const& table, std::string const& key) {
   if (dot == std::string::npos) return table.get(key);
   auto const* sub = table.get(key.substr(0, dot));
   if (!sub || !sub->is_table()) return nullptr;
-  return sub->as_table()->get(key.substr(dot + 1));
+  return find_node(*sub->as_table(), key.substr(dot + 1));
 }
 
 char const* type_name(toml::node const& n) {
@@ -285,7 +285,7 @@ void check_unused(DeckReader const& r, std::string const& path, std::set<std::st
   for (auto const& kv : t) {
     std::string const key = at.empty() ? std::string(kv.first.str()) : at + "." + std::string(kv.first.str());
     if (used.count(key)) continue;
-    if (kv.second.is_table() && at.empty()) {
+    if (kv.second.is_table()) {
       check_unused(r, path, used, *kv.second.as_table(), key);
       continue;
     }
