@@ -59,6 +59,7 @@ struct Options {
   bool simulate = false;
   std::string report;
   int reps = -1;
+  int warmup = -1;
   std::string cost_model;  ///< calibration file ("" none)
   std::string sweep;       ///< key=v1,v2,... ("" none)
   std::string sweep_out = "sweep";
@@ -76,6 +77,7 @@ struct AlgoResult {
   /// waits in one stage for another still busy in the previous one.
   double dispatch_s = 0;
   double combine_s = 0;
+  std::vector<double> runs_s;  ///< every run's total (the slowest rank's), in run order
   double seconds() const { return dispatch_s + combine_s; }
 };
 
@@ -373,20 +375,22 @@ Outcome run_cluster(LayerDeck const& deck, Options const& opt, std::optional<Exc
     auto const algo = from_string<Exchange::Algorithm>(name);
     AlgoResult res;
     res.name = name;
-    double best_s = -1;
+    // Every run's times; the run of median total time is reported (the
+    // calibration's figures are medians too).
+    struct Run {
+      double total, dispatch, combine;
+      Exchange::ByteLedger ledger;
+    };
+    std::vector<Run> runs;
+    // Warm-up runs first (buffers allocated and touched, not timed).
+    for (int w = 0; w < (opt.warmup >= 0 ? opt.warmup : deck.run.warmup); ++w)
+      layer.forward_routes(exec, hidden, table, rows_out, algo, explicit_slot);
     for (int rep = 0; rep < out.reps; ++rep) {
       auto rec = layer.forward_routes(exec, hidden, table, rows_out, algo, explicit_slot);
-      auto const reduced = rec.ledger.reduced(world, deck.exchange.watchdog_seconds);
       double const mine[2] = {direction_seconds(rec.ledger.dispatch), direction_seconds(rec.ledger.combine)};
       double slowest[2] = {0, 0};
       allreduce_watched(mine, slowest, 2, MPI_DOUBLE, MPI_MAX, world, "exchange times", deck.exchange.watchdog_seconds);
-      double const t = slowest[0] + slowest[1];
-      if (best_s < 0 || t < best_s) {
-        best_s = t;
-        res.ledger = reduced;
-        res.dispatch_s = slowest[0];
-        res.combine_s = slowest[1];
-      }
+      runs.push_back({slowest[0] + slowest[1], slowest[0], slowest[1], rec.ledger.reduced(world, deck.exchange.watchdog_seconds)});
       if (rep == 0) {
         // The planner must predict this rank's ledger exactly.
         auto c = config.exchange;
@@ -404,6 +408,12 @@ Outcome run_cluster(LayerDeck const& deck, Options const& opt, std::optional<Exc
         }
       }
     }
+    for (auto const& r : runs) res.runs_s.push_back(r.total);
+    std::sort(runs.begin(), runs.end(), [](Run const& a, Run const& b) { return a.total < b.total; });
+    auto& median = runs[runs.size() / 2];
+    res.ledger = std::move(median.ledger);
+    res.dispatch_s = median.dispatch;
+    res.combine_s = median.combine;
     out.algos.push_back(std::move(res));
   }
   return out;
@@ -414,7 +424,7 @@ void print_run(LayerDeck const& deck, Outcome const& o, std::optional<Exchange::
   for (auto const& a : o.algos) stage_lines += stages(a, o.evidence);
   std::cout << "exchange experiment: " << o.ranks << " ranks on " << o.nodes << " nodes over " << to_string(deck.exchange.transport)
             << ", " << o.tokens_per_rank << " tokens per rank, top-" << deck.model.top_k << ", " << to_string(deck.model.payload)
-            << " rows of " << payload_row_bytes(deck.model.payload, deck.model.hidden) << " B, best of " << o.reps << " runs\n"
+            << " rows of " << payload_row_bytes(deck.model.payload, deck.model.hidden) << " B, the median of " << o.reps << " runs\n"
             << "times: " << o.evidence
             << (deck.topology.fabric.enabled() ? " (" + deck.topology.fabric.describe() + ")" : std::string(" on this machine"))
             << (model ? "; model: " + model->origin + " [" + model->evidence + "]" : std::string()) << "\n\n"
@@ -433,7 +443,7 @@ void print_run(LayerDeck const& deck, Outcome const& o, std::optional<Exchange::
   if (model) report["cost_model"] = json::parse(model->to_json(0));
   for (auto const& c : o.algos) {
     report["ledgers"][c.name] = json::parse(c.ledger.to_json(0));
-    report["seconds"][c.name] = {{"dispatch", c.dispatch_s}, {"combine", c.combine_s}, {"evidence", o.evidence}};
+    report["seconds"][c.name] = {{"dispatch", c.dispatch_s}, {"combine", c.combine_s}, {"evidence", o.evidence}, {"runs", c.runs_s}};
     if (c.has_prediction) report["predicted"][c.name] = json::parse(c.predicted.to_json(0));
   }
   write_report(opt.report.empty() ? deck.run.report : opt.report, report);
@@ -568,7 +578,8 @@ int sweep(LayerDeck const& deck, Options const& opt, std::optional<Exchange::Cos
                {"inter_node_bytes", a.ledger.dispatch.inter_node_payload_bytes() + a.ledger.combine.inter_node_payload_bytes()},
                {"inter_node_messages", a.ledger.dispatch.by_class(Exchange::LinkClass::inter_node).messages +
                                            a.ledger.combine.by_class(Exchange::LinkClass::inter_node).messages},
-               {"planner_check", outcome.planned_ok}};
+               {"planner_check", outcome.planned_ok},
+               {"runs_s", a.runs_s}};
       auto cell = [](json const& x) {
         if (x.is_null()) return std::string();
         if (x.is_string()) return x.get<std::string>();
@@ -613,7 +624,8 @@ int main(int argc, char* argv[]) {
         ->delimiter(',')
         ->check(CLI::IsMember(enum_names<Exchange::Algorithm>()));
     app.add_flag("--simulate", opt.simulate, "plan a cluster of [simulate] ranks in this process (no data moves; times only from a cost model)");
-    app.add_option("--reps", opt.reps, "runs per algorithm, best reported (default [run] steps)")->check(CLI::NonNegativeNumber);
+    app.add_option("--warmup", opt.warmup, "untimed runs per algorithm first (default [run] warmup)")->check(CLI::NonNegativeNumber);
+    app.add_option("--reps", opt.reps, "runs per algorithm, the median reported (default [run] steps)")->check(CLI::NonNegativeNumber);
     app.add_option("--report", opt.report, "JSON report path (overrides [run] report)");
     app.add_option("--cost-model", opt.cost_model, "cost model file (kmoe-bench calibrate): predicted stage times next to measured ones");
     app.add_option("--sweep", opt.sweep, "key=v1,v2,...: run the deck once per value (keys: tokens_per_rank, top_k, inter_latency_us, "

@@ -57,6 +57,7 @@ struct Options {
   int warmup = -1;
   std::string report;
   std::string hdf5;
+  std::string record_routes;
   std::string algorithm;
   bool print_output = false;
 };
@@ -148,6 +149,7 @@ class LayerRun {
       bias_ = std::make_unique<BiasController>(from_string<BiasUpdateRule>(deck.bias_update), BiasSchedule::constant(deck.bias_gamma));
     outs_.resize(algorithms_.size());
     if (deck.tokens.source == "trace") trace_ = Setup::load_trace(deck, world_);
+    record_path_ = opt.record_routes.empty() ? deck.run.record_routes : opt.record_routes;
   }
 
   int run() {
@@ -160,7 +162,7 @@ class LayerRun {
       step_routes(step, hidden);
       std::vector<std::vector<float>> host_out(algorithms_.size());
       for (std::size_t a = 0; a < algorithms_.size(); ++a) forward(a, hidden, measured, host_out[a]);
-      if (!deck_.run.record_routes.empty()) record_routes(world_, table_, recorded_, watchdog_);
+      if (!record_path_.empty()) record_routes(world_, table_, recorded_, watchdog_);
       if (measured && algorithms_.size() > 1) compare_outputs(host_out);
       expert_load(measured);
       if (rank_ == 0 && measured && ((step - warmup_ + 1) % every == 0 || step + 1 == warmup_ + steps_) && steps_ >= 20) {
@@ -169,11 +171,11 @@ class LayerRun {
       }
     }
     for (std::size_t a = 0; a < algorithms_.size(); ++a) totals_[name(a)].output_digest = output_digest(outs_[a], world_, watchdog_);
-    if (!deck_.run.record_routes.empty())
+    if (!record_path_.empty())
       collective(world_, "writing the route trace", [&] {
         if (rank_ != 0) return;
-        write_route_trace(deck_.run.record_routes, recorded_, deck_.model.experts);
-        std::printf("routes: %s (%d steps x %d ranks x %lld tokens x top-%d)\n", deck_.run.record_routes.c_str(), recorded_.steps,
+        write_route_trace(record_path_, recorded_, deck_.model.experts);
+        std::printf("routes: %s (%d steps x %d ranks x %lld tokens x top-%d)\n", record_path_.c_str(), recorded_.steps,
                     recorded_.ranks, static_cast<long long>(recorded_.tokens), recorded_.top_k);
       });
     if (opt_.print_output) print_outputs();
@@ -191,7 +193,11 @@ class LayerRun {
               << setup_.placement.num_experts() << " experts (" << to_string(deck_.placement.policy) << "), exchange transport "
               << to_string(deck_.exchange.transport) << ", schedule " << to_string(deck_.run.schedule)
               << (deck_.run.chunks > 1 ? " (" + std::to_string(deck_.run.chunks) + " chunks)" : std::string()) << "\n";
+    if (deck_.topology.fabric.enabled())
+      std::cout << "times: emulated (" << deck_.topology.fabric.describe() << ")\n";
   }
+
+  std::string evidence() const { return deck_.topology.fabric.enabled() ? "emulated" : "measured"; }
 
   /// The step's routes: drawn from the deck's distribution, or (router
   /// decks) left to the layer's router; with several algorithms the router
@@ -332,6 +338,8 @@ class LayerRun {
     report["ranks"] = size_;
     report["nodes"] = setup_.topology.num_nodes();
     report["tokens_per_rank"] = tokens_;
+    report["evidence"] = evidence();
+    if (deck_.topology.fabric.enabled()) report["fabric"] = deck_.topology.fabric.describe();
     report["steps"] = steps_;
     report["warmup"] = warmup_;
     report["topology"] = json::parse(setup_.comms->to_json(0));
@@ -419,7 +427,7 @@ class LayerRun {
     std::ostringstream p;
     p << "PERFORMANCE algorithm=" << name(0) << " transport=" << tot.transport << " ranks=" << size_
       << " nodes=" << setup_.topology.num_nodes() << " tokens_per_rank=" << tokens_ << " steps=" << tot.steps << " step_s=" << fmt(step_s)
-      << " tokens_per_s_per_rank=" << fmt(tps);
+      << " tokens_per_s_per_rank=" << fmt(tps) << " evidence=" << evidence();
     for (auto const& s : stage_order)
       if (tot.seconds.count(s)) p << " " << s << "_s=" << fmt(tot.seconds.at(s) / n);
     p << " other_pct=" << fmt(100 * other, 3) << " inter_node_bytes=" << tot.ledger.dispatch.inter_node_payload_bytes()
@@ -449,6 +457,7 @@ class LayerRun {
   RouteTable<MS> table_;
   std::optional<RouteTrace> trace_;  // tokens.source = "trace"
   RouteTrace recorded_;              // run.record_routes
+  std::string record_path_;
   Kokkos::View<int**, Kokkos::LayoutRight, MS> explicit_slot_;
   double router_seconds_ = 0;
   std::vector<index_t> counts_;
@@ -559,6 +568,7 @@ int main(int argc, char* argv[]) {
     app.add_option("--warmup", opt.warmup, "warmup steps (overrides [run] warmup)")->check(CLI::NonNegativeNumber);
     app.add_option("--report", opt.report, "JSON report path (overrides [run] report)");
     app.add_option("--hdf5", opt.hdf5, "HDF5 time series path (overrides [run] hdf5)");
+    app.add_option("--record-routes", opt.record_routes, "write every step's routes as a trace (overrides [run] record_routes)");
     app.add_option("--algorithm", opt.algorithm, "exchange algorithm (overrides [exchange] algorithm)")
         ->check(CLI::IsMember(enum_names<Exchange::Algorithm>()));
     std::string transport;

@@ -16,7 +16,8 @@ Given a sweep table of kmoe-exchange --sweep (sweep.json), draws sweep.png:
 dispatch + combine seconds per algorithm against the swept value, measured
 (or emulated) as solid lines and the cost model's prediction dashed, with
 the flat/hierarchical crossover marked where the order of the two changes
-(measured and predicted separately).
+(measured and predicted separately; the last one, past which the order no
+longer changes).
 """
 
 import argparse
@@ -215,13 +216,19 @@ def sweep_plot(table, out):
             if any(y is not None for y in ys):
                 pts = [(x, 1e3 * y) for x, y in zip(xs, ys) if y is not None]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=f"{a} ({what})")
-    for field, ls in (("total_s", ":"), ("model_total_s", "-.")):
+    # The last crossover of each class: past it the order no longer changes.
+    for n, (field, ls) in enumerate((("total_s", ":"), ("model_total_s", "-."))):
         a, b = series.get(("flat", field)), series.get(("hierarchical", field))
         if a and b and numeric:
-            for x in crossovers(xs, a, b):
+            found = crossovers(xs, a, b)
+            if found:
+                x = found[-1]
+                what = "model" if field.startswith("model") else table.get("evidence", "measured")
                 ax.axvline(x, color="gray", linestyle=ls, linewidth=1)
-                ax.annotate(f"crossover ({'model' if field.startswith('model') else table.get('evidence', 'measured')})\n{key} ~ {x:.3g}",
-                            (x, ax.get_ylim()[1]), fontsize=7, ha="left", va="top", rotation=90)
+                ax.annotate(f"crossover ({what}): {key} ~ {x:.3g}", xy=(x, 0.97 - 0.07 * n), xycoords=("data", "axes fraction"),
+                            fontsize=7, ha="left", va="top", xytext=(3, 0), textcoords="offset points")
+    if numeric and min(xs) > 0 and max(xs) / min(xs) >= 20:
+        ax.set_xscale("log")
     if not numeric:
         ax.set_xticks(xs)
         ax.set_xticklabels(order)

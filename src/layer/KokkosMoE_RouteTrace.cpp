@@ -177,12 +177,14 @@ RouteTrace read_local(std::string const& path) {
     Hdf5::QuietHdf5 quiet;
     Hdf5::Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
     KOKKOSMOE_REQUIRE(file.valid(), path << ": cannot open as HDF5");
-    return trace_of(path, read_h5(file, path, "experts", true), read_h5(file, path, "gates", false));
+    auto const experts = read_h5(file, path, "experts", true);
+    return trace_of(path, experts, read_h5(file, path, "gates", false));
 #else
     KOKKOSMOE_THROW(path << ": HDF5 traces need a KokkosMoE built with HDF5 (KokkosMoE_ENABLE_HDF5); use the NumPy layout instead");
 #endif
   }
-  return trace_of(path, read_npy(path + "/experts.npy", {"<i4", "<i8"}), read_npy(path + "/gates.npy", {"<f4", "<f8"}));
+  auto const experts = read_npy(path + "/experts.npy", {"<i4", "<i8"});
+  return trace_of(path, experts, read_npy(path + "/gates.npy", {"<f4", "<f8"}));
 }
 
 }  // namespace
