@@ -505,6 +505,7 @@ int train(LayerDeck const& deck, Options const& opt) {
               << (tc.balance ? ", balance loss alpha " + std::to_string(tc.balance->alpha) : std::string()) << "\n";
   std::vector<double> loss, norm, balance, forward_s;
   std::map<std::string, double> backward_s;
+  StepSeries series;  // the HDF5 time series ([run] hdf5 / --hdf5)
   int const every = std::max(1, steps / 10);
   Kokkos::Timer timer;
   for (int step = 0; step < steps; ++step) {
@@ -515,7 +516,14 @@ int train(LayerDeck const& deck, Options const& opt) {
     norm.push_back(r.grad_norm);
     balance.push_back(r.balance_loss);
     forward_s.push_back(r.forward_seconds);
-    for (auto const& [k, v] : slowest(r.backward.seconds, world, watchdog)) backward_s[k] += v / std::max(1, steps);
+    series.add("loss", r.loss);
+    series.add("grad_norm", r.grad_norm);
+    series.add("balance_loss", r.balance_loss);
+    series.add("forward_s", r.forward_seconds);
+    for (auto const& [k, v] : slowest(r.backward.seconds, world, watchdog)) {
+      backward_s[k] += v / std::max(1, steps);
+      series.add("backward_" + k + "_s", v);
+    }
     if (rank == 0 && ((step + 1) % every == 0 || step == 0)) {
       std::printf("train: step %d/%d loss %.6g grad_norm %.4g%s (%.1f s)\n", step + 1, steps, r.loss, r.grad_norm,
                   tc.balance ? (" balance " + std::to_string(r.balance_loss)).c_str() : "", timer.seconds());
@@ -545,9 +553,16 @@ int train(LayerDeck const& deck, Options const& opt) {
                      {"loss_ratio", ratio}};
   collective(world, "writing the report", [&] {
     std::string const path = opt.report.empty() ? deck.run.report : opt.report;
-    if (rank != 0 || path.empty()) return;
-    write_text_file(path, report.dump(2) + "\n");
-    std::cout << "report: " << path << "\n";
+    std::string const h5_path = opt.hdf5.empty() ? deck.run.hdf5 : opt.hdf5;
+    if (rank != 0) return;
+    if (!path.empty()) {
+      write_text_file(path, report.dump(2) + "\n");
+      std::cout << "report: " << path << "\n";
+    }
+    if (!h5_path.empty()) {
+      write_series_hdf5(h5_path, series, {{"deck", deck.path}, {"build", build_summary()}, {"mode", "train"}});
+      std::cout << "time series: " << h5_path << "\n";
+    }
   }, watchdog);
   if (rank == 0) {
     std::printf("TRAIN steps=%d ranks=%d optimizer=%s loss_first=%.6g loss_last=%.6g loss_ratio=%.4f backward_s=%.4g\n", steps, size,

@@ -12,6 +12,7 @@
 #include <KokkosMoE_LayerSetup.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <sstream>
 
@@ -21,9 +22,9 @@ using MS = Exec::memory_space;
 
 namespace {
 
-std::string deck_text(std::string const& algorithm, int nodes) {
+std::string deck_text(std::string const& algorithm, int nodes, std::string const& schedule = "serial") {
   std::ostringstream os;
-  os << "[run]\nseed = 21\n"
+  os << "[run]\nseed = 21\nschedule = \"" << schedule << "\"\nchunks = " << (schedule.rfind("chunked", 0) == 0 ? 3 : 1) << "\n"
      << "[model]\nhidden = 16\nexperts = 8\ntop_k = 2\nffn = 24\nshared_experts = 1\nshared_ffn = 12\n"
      << "dtype = \"fp32\"\npayload = \"fp32\"\nreturn_payload = \"fp32\"\n"
      << "[router]\nscore = \"softmax\"\nnormalize = true\nroute_scale = 1.5\ngemm = \"generic\"\n"
@@ -215,6 +216,34 @@ TEST_CASE("distributed layer backward equals a single-rank backward of the same 
     for (std::size_t i = 0; i < gs.size(); ++i) ws = std::max(ws, std::abs(static_cast<double>(gs[i]) - gs1[i]) / (std::abs(gs1[i]) + 1e-3));
     CHECK(wr <= 1e-4);
     CHECK(ws <= 1e-4);
+  }
+}
+
+TEST_CASE("backward after an overlapped or chunked forward equals the serial one, bit for bit", "[layer][backward][mpi]") {
+  int const size = kmoe_test::world_size(), rank = kmoe_test::world_rank();
+  for (std::string const algorithm : {"flat", "hierarchical"}) {
+    std::vector<std::vector<float>> results;
+    for (std::string const schedule : {"serial", "shared_overlap", "chunked", "chunked_shared_overlap"}) {
+      INFO(algorithm << " " << schedule << " at " << size << " ranks");
+      Built b(deck_text(algorithm, size % 2 == 0 ? 2 : 1, schedule), MPI_COMM_WORLD);
+      Exec exec;
+      int const d = b.deck.model.hidden;
+      index_t const T = b.deck.tokens.per_rank;
+      auto hidden = Setup::hidden_rows<float, MS>(b.deck, 0, rank * T, T, rank);
+      std::vector<float> dout(static_cast<std::size_t>(T * d));
+      for (index_t t = 0; t < T; ++t)
+        for (int c = 0; c < d; ++c) dout[static_cast<std::size_t>(t * d + c)] = upstream(rank * T + t, c);
+      RowMatrix<float, MS> out("out", T, d), dX("dX", T, d);
+      b.layer->forward(exec, hidden, out);
+      LayerGradients<MS> g;
+      b.layer->backward(exec, hidden, rows_of(dout, T, d), dX, g);
+      std::vector<float> all = host(out);
+      for (auto const& part : {host(dX), host(g.routed.up), host(g.routed.gate), host(g.routed.down), host(g.router), host(g.shared.up)})
+        all.insert(all.end(), part.begin(), part.end());
+      results.push_back(all);
+      REQUIRE(results.back().size() == results.front().size());
+      CHECK(std::memcmp(results.back().data(), results.front().data(), all.size() * sizeof(float)) == 0);
+    }
   }
 }
 
