@@ -5,6 +5,7 @@
 #endif
 
 #include <chrono>
+#include <mutex>
 #include <set>
 #include <climits>
 #include <sstream>
@@ -200,6 +201,13 @@ void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending,
           if (*r == MPI_REQUEST_NULL) continue;
           if (pending[i].receive) MPI_Cancel(r);
           MPI_Request_free(r);
+        }
+        // A freed send may still read its stamp: the stamp outlives it.
+        if (pending[i].stamp) {
+          static std::mutex orphans_mutex;
+          static std::vector<std::shared_ptr<FabricEmulator::Stamp>> orphans;
+          std::lock_guard<std::mutex> lock(orphans_mutex);
+          orphans.push_back(pending[i].stamp);
         }
       }
       pending.clear();
