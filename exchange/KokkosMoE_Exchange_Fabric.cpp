@@ -27,7 +27,7 @@ std::int64_t FabricSpec::cost_ns(bool inter, std::size_t bytes) const {
 
 std::string FabricSpec::describe() const {
   std::ostringstream os;
-  os << "emulated inter-node link " << inter_latency_us << " us + B / " << inter_bandwidth_gbps << " GB/s per message, "
+  os << "inter-node link " << inter_latency_us << " us + B / " << inter_bandwidth_gbps << " GB/s per message, "
      << nics_per_node << (nics_per_node == 1 ? " NIC" : " NICs") << " per node; intra-node ";
   if (intra_enabled())
     os << intra_latency_us << " us + B / " << (intra_bandwidth_gbps > 0 ? std::to_string(intra_bandwidth_gbps) + " GB/s" : std::string("inf"))

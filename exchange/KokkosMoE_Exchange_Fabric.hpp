@@ -57,7 +57,7 @@ struct FabricSpec {
   bool intra_enabled() const { return intra_bandwidth_gbps > 0.0 || intra_latency_us > 0.0; }
   /// Nanoseconds a message of `bytes` occupies a NIC (inter) or a port (intra).
   std::int64_t cost_ns(bool inter, std::size_t bytes) const;
-  /// "inter 20 us + B/5 GB/s, 1 NIC per node; intra untouched"
+  /// "inter-node link 20 us + B / 5 GB/s per message, 1 NIC per node; intra-node untouched"
   std::string describe() const;
   /// Throws Error naming the first bad parameter (prefix: where it came from).
   void validate(std::string const& where) const;
