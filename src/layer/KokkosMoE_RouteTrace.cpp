@@ -9,6 +9,8 @@
 #endif
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -233,23 +235,34 @@ void write_route_trace(std::string const& path, RouteTrace const& t, int num_exp
                     path << ": trace arrays hold " << t.experts.size() << " and " << t.gates.size() << " routes for its shape");
   if (is_hdf5_path(path)) {
 #ifdef KOKKOSMOE_HAVE_HDF5
-    Hdf5::QuietHdf5 quiet;
-    write_text_file(path, "");  // parent directories, and a clear error when the path cannot be written
-    Hdf5::Hid file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
-    KOKKOSMOE_REQUIRE(file.valid(), path << ": cannot create HDF5 file");
-    hsize_t dims[4] = {shape[0], shape[1], shape[2], shape[3]};
-    auto put = [&](char const* name, hid_t type, void const* data) {
-      Hdf5::Hid space(H5Screate_simple(4, dims, nullptr), H5Sclose);
-      Hdf5::Hid ds(H5Dcreate2(file.get(), name, type, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
-      KOKKOSMOE_REQUIRE(ds.valid() && H5Dwrite(ds.get(), type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0,
-                        path << ": writing dataset '/" << name << "' failed");
-    };
-    put("experts", H5T_NATIVE_INT32, t.experts.data());
-    put("gates", H5T_NATIVE_FLOAT, t.gates.data());
-    Hdf5::Hid aspace(H5Screate(H5S_SCALAR), H5Sclose);
-    Hdf5::Hid attr(H5Acreate2(file.get(), "num_experts", H5T_NATIVE_INT, aspace.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-    KOKKOSMOE_REQUIRE(attr.valid() && H5Awrite(attr.get(), H5T_NATIVE_INT, &num_experts) >= 0, path << ": writing num_experts failed");
-    KOKKOSMOE_REQUIRE(file.close(), path << ": closing the HDF5 file failed");
+    // Written under a temporary name, renamed once complete: a failed write
+    // leaves no half-written trace (and the previous one, if any).
+    std::string const partial = path + ".partial";
+    try {
+      Hdf5::QuietHdf5 quiet;
+      write_text_file(partial, "");  // parent directories, and a clear error when the path cannot be written
+      Hdf5::Hid file(H5Fcreate(partial.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+      KOKKOSMOE_REQUIRE(file.valid(), path << ": cannot create HDF5 file");
+      hsize_t dims[4] = {shape[0], shape[1], shape[2], shape[3]};
+      auto put = [&](char const* name, hid_t type, void const* data) {
+        Hdf5::Hid space(H5Screate_simple(4, dims, nullptr), H5Sclose);
+        Hdf5::Hid ds(H5Dcreate2(file.get(), name, type, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
+        KOKKOSMOE_REQUIRE(ds.valid() && H5Dwrite(ds.get(), type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0,
+                          path << ": writing dataset '/" << name << "' failed");
+      };
+      put("experts", H5T_NATIVE_INT32, t.experts.data());
+      put("gates", H5T_NATIVE_FLOAT, t.gates.data());
+      Hdf5::Hid aspace(H5Screate(H5S_SCALAR), H5Sclose);
+      Hdf5::Hid attr(H5Acreate2(file.get(), "num_experts", H5T_NATIVE_INT, aspace.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+      KOKKOSMOE_REQUIRE(attr.valid() && H5Awrite(attr.get(), H5T_NATIVE_INT, &num_experts) >= 0, path << ": writing num_experts failed");
+      attr.reset();
+      aspace.reset();
+      KOKKOSMOE_REQUIRE(file.close(), path << ": closing the HDF5 file failed");
+      KOKKOSMOE_REQUIRE(std::rename(partial.c_str(), path.c_str()) == 0, path << ": cannot rename " << partial << ": " << std::strerror(errno));
+    } catch (...) {
+      std::remove(partial.c_str());
+      throw;
+    }
     return;
 #else
     (void)num_experts;
