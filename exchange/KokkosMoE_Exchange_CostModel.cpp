@@ -216,12 +216,16 @@ ByteLedger predict(CostModel const& model, Topology::Topology const& topo, Topol
         int const nic = topo.local_rank_of(r) % std::max(1, model.nics_per_node);
         nic_busy[{topo.node_of(r), nic}] += model.nic.seconds(inter_msgs, static_cast<double>(inter.payload_bytes + inter.meta_bytes));
         rank_max = std::max(rank_max, rank_t);
-        // Rows are encoded where they start (the first stage packs what the
-        // rank sends: rows, or expert outputs coming back) and, dispatched
-        // rows, decoded where they end (the last stage's useful rows);
-        // relays forward encoded rows.
+        // Rows are encoded where they start (the dispatch's first stage packs
+        // what the rank sends; the combine encodes every expert output row
+        // the rank holds, whichever stage sends it) and, dispatched rows,
+        // decoded where they end (the last stage's useful rows); relays
+        // forward encoded rows.
         double coded = 0;
-        if (s == 0) coded += sent * model.encode_s_per_byte;
+        if (s == 0 && dir == 0) coded += sent * model.encode_s_per_byte;
+        if (s == 0 && dir == 1)
+          coded += static_cast<double>(ledgers[static_cast<std::size_t>(r)].dispatch.useful_rows) *
+                   static_cast<double>(out.combine_row_bytes) * model.encode_s_per_byte;
         if (dir == 0 && s + 1 == stages.size())
           coded += static_cast<double>(dl.useful_rows) * static_cast<double>(out.row_bytes + out.meta_row_bytes) * model.decode_s_per_byte;
         copy_max = std::max(copy_max, coded);

@@ -19,9 +19,11 @@
 /// where the rank terms are what each rank's own transport work costs (the
 /// same-rank class is a local copy) and the NIC term is the exclusive time
 /// of a shared NIC (an emulated or a stated fabric; zero for a machine
-/// without one). Rows are encoded in a direction's first stage (the bytes
-/// the rank sends there) and, in the dispatch, decoded in its last (its
-/// useful rows); relays forward encoded rows. Every (sender, receiver) pair of a stage carries one message
+/// without one). Rows are encoded in a direction's first stage (the
+/// dispatch: the bytes the rank sends there; the combine: every expert
+/// output row the rank holds, its dispatch's useful rows) and, in the
+/// dispatch, decoded in its last (its useful rows); relays forward encoded
+/// rows. Every (sender, receiver) pair of a stage carries one message
 /// of rows plus one of metadata where the stage has metadata, and every rank
 /// of the stage's communicator sends one count message to each of its peers.
 

@@ -63,6 +63,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     RowRuns s3_runs;            ///< stage-3 rows of each node peer, as runs of the stage-2 arrivals
     RowRuns s3_recv_runs;       ///< where stage-3 rows arrived after the kept rows, run by run (consecutive)
     std::vector<std::pair<index_t, index_t>> kept_runs;  ///< runs of the stage-1 arrivals kept here
+    RowRuns s1_return_runs;     ///< where each node peer's returned rows go in the plan's send order (reverse of stage 1)
+    RowRuns s1_back_runs;       ///< the same runs' lengths at the returning peers, over their stage-1 arrivals
   };
 
   /// \brief What a dispatch in flight keeps until dispatch_finish.
@@ -211,9 +213,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     h.pending.reset();
     State const& st = std::any_cast<State const&>(h.state);
     h.ledger.combine.stages.back().seconds += lap();  // reverse stage 2 completing
-    auto const s1_back = reverse_gather(exec, st, f.fin, f.s2_back, h.ledger);
-    auto perm1 = st.s1.send_perm;
-    scatter_rows(exec, s1_back, perm1, h.pending_returned, "KokkosMoE::HierarchicalExchange::unpermute1");
+    reverse_gather(exec, st, f.fin, f.s2_back, h.pending_returned, h.ledger);
     h.pending_returned = {};
     Compat::fence(exec, "KokkosMoE::HierarchicalExchange::combine");
     h.ledger.combine.stages.back().seconds = lap();
@@ -262,6 +262,24 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     }
     st.s1.comm = 1;
     st.s1.input_rows = n0;
+    {
+      // The combine's last stage receives each peer's rows straight into the
+      // plan's send order: stage-1 position p returns to plan position
+      // perm1(p), in runs of consecutive positions.
+      auto const perm1 = Impl::host_vector(st.s1.send_perm);
+      st.s1_return_runs.assign(st.s1.send_counts.size(), {});
+      index_t at = 0;
+      for (std::size_t k = 0; k < st.s1.send_counts.size(); ++k) {
+        auto& runs = st.s1_return_runs[k];
+        for (index_t e = at + st.s1.send_counts[k]; at < e; ++at) {
+          index_t const q = perm1[static_cast<std::size_t>(at)];
+          if (!runs.empty() && runs.back().first + runs.back().second == q)
+            ++runs.back().second;
+          else
+            runs.push_back({q, 1});
+        }
+      }
+    }
     // Send rows: position p holds the route at plan position perm1(p).
     auto send = payload_buffer(this->work_, exec, "s1_send", this->config_.payload, d, n0);
     auto send_meta = this->work_.template vector<RowMeta>(exec, "s1_send_meta", n0);
@@ -274,6 +292,10 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       gather_records(exec, meta, perm1, send_meta, "KokkosMoE::HierarchicalExchange::pack_meta");
     }
     auto out = exchange_stage(exec, node, st.s1, send, send_meta, n0, "s1", "hierarchical dispatch stage 1");
+    // Each peer learns the run lengths its returned rows must have (the
+    // combine's last stage sends them in those runs).
+    st.s1_back_runs =
+        consecutive_runs(exchange_run_lengths(node, st.s1_return_runs, "hierarchical dispatch stage 1 return runs", this->options()));
     StageLedger sl{st.s1.name, node.name()};
     add_sends(sl, st.s1.send_counts, node.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta));
     // Transit rows sent to a relay other than this rank are relay traffic.
@@ -547,19 +569,19 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   }
 
   /// Reverse of stage 1: stage-1 arrival order rebuilt (transit rows from
-  /// stage 2, kept rows from the final buffer), back to the origins, then
-  /// into the plan's send order in the caller's return buffer.
-  PayloadBuffer<MS> reverse_gather(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, PayloadBuffer<MS> const& s2_back,
-                                   ByteLedger& ledger) {
+  /// stage 2, kept rows from the final buffer), back to the origins, which
+  /// receive them straight into the plan's send order in the caller's
+  /// return buffer.
+  void reverse_gather(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, PayloadBuffer<MS> const& s2_back,
+                      PayloadBuffer<MS> const& returned, ByteLedger& ledger) {
     auto const& node = this->comms_->node_local();
     auto const& s1 = st.s1;
     index_t const r1 = Impl::total(s1.recv_counts);
     PayloadBuffer<MS> const& s1_recv_back = s2_back;  // transit rows already in place
     Impl::copy_self_rows(exec, s1_recv_back.bytes, st.kept_runs, fin.bytes, {{0, st.kept}});
-    auto s1_back = payload_buffer(this->work_, exec, "s1_back", fin.type, fin.width, s1.input_rows);
     agree_counts(node, s1.recv_counts, r1, &s1.send_counts, "hierarchical combine stage 1 counts", this->options());
-    this->transport_->alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, s1_back.bytes}}, s1.recv_counts, s1.send_counts,
-                                "hierarchical combine stage 1 rows", this->options());
+    this->transport_->alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, returned.bytes, st.s1_back_runs, st.s1_return_runs}}, s1.recv_counts,
+                                s1.send_counts, "hierarchical combine stage 1 rows", this->options());
     StageLedger sl{"return from relay + node-local direct", node.name()};
     add_sends(sl, s1.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0);
     ledger.combine.stages.push_back(sl);
@@ -571,7 +593,6 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       cl[i].relay_rows = dl[dl.size() - 1 - i].relay_rows;
       cl[i].relay_bytes = cl[i].relay_rows * fin.row_bytes();
     }
-    return s1_back;
   }
 
   /// Stable sort of a stage's rows by destination key; the record's send

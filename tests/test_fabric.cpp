@@ -220,6 +220,22 @@ TEST_CASE("cost model: alpha-beta fit, stage prediction, files", "[fabric][model
   REQUIRE(p.dispatch.stages.size() == 1);
   CHECK(p.dispatch.stages[0].seconds == Approx(10e-6 + copy_t + std::max(rank_t, nic_t)));
   CHECK(nic_t > rank_t);
+  // The combine encodes every expert output row the rank holds (its
+  // dispatch's 300 useful rows), even when its first stage sends fewer
+  // (a relay gather that moves 50 rows of 1000 B to one node peer).
+  {
+    auto with_combine = ledgers;
+    for (auto& L : with_combine) {
+      L.combine_row_bytes = 1000;
+      Exchange::StageLedger c{"relay gather", "kmoe-node"};
+      c.by_class[1] = {50, 50000, 0, 1};
+      L.combine.stages.push_back(c);
+    }
+    auto const pc = Exchange::predict(model, topo, layout, with_combine);
+    REQUIRE(pc.combine.stages.size() == 1);
+    double const rank_c = 2 * 2e-6 + 50000 * 0.2e-9;  // one pair (no metadata) + one count message
+    CHECK(pc.combine.stages[0].seconds == Approx(10e-6 + 300 * 1000 * 0.1e-9 + rank_c));
+  }
   // Two NICs per node: each serves one rank.
   model.nics_per_node = 2;
   CHECK(Exchange::predict(model, topo, layout, ledgers).dispatch.stages[0].seconds == Approx(10e-6 + copy_t + std::max(rank_t, nic_t / 2)));
