@@ -19,12 +19,21 @@
 // optimizer step; the report's "train" object holds the loss, gradient norm
 // and balance loss per step and the backward's stage seconds, and the run
 // ends with: TRAIN steps=N loss_first=... loss_last=... loss_ratio=...
+//
+// With an EPLB placement and [placement] rebalance_every = N (or
+// --rebalance-every N), every N steps the routes those steps observed on all
+// ranks rebuild the placement (KokkosMoE_Rebalance.hpp): the next generation's
+// slots get their experts' weights by migration and the layer continues on
+// it. Each switch prints a "rebalance:" line; the report's "rebalance" object
+// holds the switches and, per measured step, the ideal max/mean rank load of
+// the first placement and of the live one.
 
 #include <KokkosMoE_BiasController.hpp>
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Deck.hpp>
 #include <KokkosMoE_Digest.hpp>
 #include <KokkosMoE_LayerSetup.hpp>
+#include <KokkosMoE_Rebalance.hpp>
 #include <KokkosMoE_Report.hpp>
 #include <KokkosMoE_Train.hpp>
 #include <KokkosMoE_Version.hpp>
@@ -59,7 +68,15 @@ struct Options {
   std::string hdf5;
   std::string record_routes;
   std::string algorithm;
+  int rebalance_every = -1;
   bool print_output = false;
+};
+
+/// One live rebalancing of the routed experts.
+struct Switch {
+  int after_step = 0;
+  RebalanceRecord record;
+  double seconds = 0;  // slowest rank
 };
 
 /// Per-algorithm accumulation over the measured steps.
@@ -135,8 +152,9 @@ class LayerRun {
         size_(comm_size(world_)),
         setup_(Setup::make_run(deck, world_)),
         router_weight_(Setup::router_weight<T, MS>(deck)),
-        layer_(setup_.config, *setup_.comms, setup_.placement, router_weight_,
-               Setup::routed_weights<T, MS>(exec_, deck, setup_, rank_, world_), Setup::shared_weights<T, MS>(exec_, deck)) {
+        layer_(std::make_unique<MoELayer<T, Exec, MS>>(setup_.config, *setup_.comms, setup_.placement, router_weight_,
+                                                        Setup::routed_weights<T, MS>(exec_, deck, setup_, rank_, world_),
+                                                        Setup::shared_weights<T, MS>(exec_, deck))) {
     algorithms_ = deck.run.compare;
     if (algorithms_.empty())
       algorithms_.push_back(opt.algorithm.empty() ? deck.exchange.algorithm : from_string<Exchange::Algorithm>(opt.algorithm));
@@ -150,6 +168,13 @@ class LayerRun {
     outs_.resize(algorithms_.size());
     if (deck.tokens.source == "trace") trace_ = Setup::load_trace(deck, world_);
     record_path_ = opt.record_routes.empty() ? deck.run.record_routes : opt.record_routes;
+    rebalance_every_ = opt.rebalance_every >= 0 ? opt.rebalance_every : deck.placement.rebalance_every;
+    collective(world_, "rebalancing setup", [&] {
+      KOKKOSMOE_REQUIRE(rebalance_every_ == 0 || is_eplb(deck.placement.policy),
+                        "--rebalance-every " << rebalance_every_ << " needs an EPLB placement policy (" << deck.path
+                                             << ": placement.policy = \"" << to_string(deck.placement.policy) << "\")");
+    }, watchdog_);
+    window_.assign(static_cast<std::size_t>(deck.model.experts), 0.0);
   }
 
   int run() {
@@ -165,6 +190,7 @@ class LayerRun {
       if (!record_path_.empty()) record_routes(world_, table_, recorded_, watchdog_);
       if (measured && algorithms_.size() > 1) compare_outputs(host_out);
       expert_load(measured);
+      if (rebalance_every_ > 0 && (step + 1) % rebalance_every_ == 0 && step + 1 < warmup_ + steps_) rebalance(step);
       if (rank_ == 0 && measured && ((step - warmup_ + 1) % every == 0 || step + 1 == warmup_ + steps_) && steps_ >= 20) {
         std::printf("progress: step %d/%d (%.1f s elapsed)\n", step - warmup_ + 1, steps_, timer_.seconds());
         std::fflush(stdout);
@@ -213,7 +239,7 @@ class LayerRun {
       Kokkos::Timer t;
       RouteOptions<MS> ro;
       ro.gemm_path = setup_.config.router_gemm;
-      layer_.router().route(exec_, hidden, router_weight_, table_, ro);
+      layer_->router().route(exec_, hidden, router_weight_, table_, ro);
       router_seconds_ = t.seconds();
     }
   }
@@ -225,10 +251,10 @@ class LayerRun {
       out = RowMatrix<T, MS>("kmoe-layer::out", hidden.extent(0), hidden.extent(1));
     StepRecord rec;
     if (deck_.tokens.source == "router" && algorithms_.size() == 1) {
-      rec = layer_.forward(exec_, hidden, out, algorithms_[a]);
-      table_ = layer_.routes();
+      rec = layer_->forward(exec_, hidden, out, algorithms_[a]);
+      table_ = layer_->routes();
     } else {
-      rec = layer_.forward_routes(exec_, hidden, table_, out, algorithms_[a], explicit_slot_);
+      rec = layer_->forward_routes(exec_, hidden, table_, out, algorithms_[a], explicit_slot_);
       if (deck_.tokens.source == "router") {
         rec.seconds["router"] += router_seconds_;
         rec.seconds["total"] += router_seconds_;
@@ -293,9 +319,18 @@ class LayerRun {
     std::vector<index_t> global(counts_.size());
     allreduce_watched(counts_.data(), global.data(), static_cast<int>(counts_.size()), MPI_INT64_T, MPI_SUM, world_, "expert load reduction",
                       watchdog_);
+    std::vector<double> row(global.begin(), global.end());
+    for (std::size_t e = 0; e < row.size(); ++e) window_[e] += row[e];
     if (measured) {
-      std::vector<double> row(global.begin(), global.end());
       series_.add_row("expert_load", row);
+      if (rebalance_every_ > 0) {
+        // Ideal rank loads (an expert's routes split evenly over its copies).
+        first_mm_.push_back(rank_load_summary(setup_.placement, row).max_over_mean);
+        live_mm_.push_back(rank_load_summary(layer_->placement(), row).max_over_mean);
+        series_.add("rank_load_max_over_mean_first_placement", first_mm_.back());
+        series_.add("rank_load_max_over_mean", live_mm_.back());
+        series_.add("placement_generation", static_cast<double>(layer_->placement().generation()));
+      }
       double mx = 0, mean = 0;
       for (double x : row) {
         mx = std::max(mx, x);
@@ -309,8 +344,73 @@ class LayerRun {
       auto hg = Kokkos::create_mirror_view(gc);
       for (std::size_t e = 0; e < global.size(); ++e) hg(e) = global[e];
       Kokkos::deep_copy(gc, hg);
-      bias_->update(exec_, gc, layer_.router().correction_bias());
+      bias_->update(exec_, gc, layer_->router().correction_bias());
     }
+  }
+
+  /// EPLB on the window's routes, the weights migrated, the layer rebuilt on
+  /// the new generation (router weight, correction bias and shared experts
+  /// carried over).
+  void rebalance(int step) {
+    PlacementSpec spec;
+    spec.policy = deck_.placement.policy;
+    spec.physical_slots = deck_.placement.physical_slots;
+    spec.groups = deck_.placement.groups;
+    auto r = rebalance_experts(world_, layer_->placement(), setup_.node_of_rank, layer_->routed_weights(), window_, spec);
+    std::optional<Experts::ExpertWeights<T, MS>> shared;
+    if (layer_->shared_weights()) shared = *layer_->shared_weights();
+    auto const bias = layer_->router().correction_bias();
+    auto next = std::make_unique<MoELayer<T, Exec, MS>>(Setup::layer_config(deck_, setup_, r.placement), *setup_.comms, r.placement,
+                                                        router_weight_, std::move(r.weights), std::move(shared));
+    Kokkos::deep_copy(exec_, next->router().correction_bias(), bias);
+    Compat::fence(exec_, "kmoe-layer: correction bias carried over");
+    layer_ = std::move(next);
+    Switch sw;
+    sw.after_step = step;
+    sw.record = std::move(r.record);
+    allreduce_watched(&sw.record.seconds, &sw.seconds, 1, MPI_DOUBLE, MPI_MAX, world_, "rebalancing time", watchdog_);
+    std::fill(window_.begin(), window_.end(), 0.0);
+    if (rank_ == 0) {
+      auto const& t = sw.record.ledger.sent_total;
+      std::printf("rebalance: after step %d -> generation %llu, window max/mean rank load %.4g -> %.4g, moved %.4g MB "
+                  "(same node %.4g, cross node %.4g) in %.3g s\n",
+                  step, static_cast<unsigned long long>(sw.record.generation), sw.record.before.max_over_mean,
+                  sw.record.after.max_over_mean,
+                  1e-6 * static_cast<double>(t.bytes_of(MigrationAction::same_node_copy) + t.bytes_of(MigrationAction::cross_node_copy)),
+                  1e-6 * static_cast<double>(t.bytes_of(MigrationAction::same_node_copy)),
+                  1e-6 * static_cast<double>(t.bytes_of(MigrationAction::cross_node_copy)), sw.seconds);
+      std::fflush(stdout);
+    }
+    switches_.push_back(std::move(sw));
+  }
+
+  /// The report's "rebalance" object.
+  static double mean_of(std::vector<double> const& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+  }
+
+  json rebalance_report() const {
+    json sw = json::array();
+    for (auto const& s : switches_) {
+      auto const& t = s.record.ledger.sent_total;
+      sw.push_back({{"after_step", s.after_step},
+                    {"generation", s.record.generation},
+                    {"window_max_over_mean_before", s.record.before.max_over_mean},
+                    {"window_max_over_mean_after", s.record.after.max_over_mean},
+                    {"same_rank_duplicate_bytes", t.bytes_of(MigrationAction::same_rank_duplicate)},
+                    {"same_node_bytes", t.bytes_of(MigrationAction::same_node_copy)},
+                    {"cross_node_bytes", t.bytes_of(MigrationAction::cross_node_copy)},
+                    {"seconds", s.seconds}});
+    }
+    return {{"every", rebalance_every_},
+            {"generations", switches_.size()},
+            {"switches", sw},
+            {"max_over_mean_first_placement", first_mm_},
+            {"max_over_mean_live", live_mm_},
+            {"mean_max_over_mean_first_placement", mean_of(first_mm_)},
+            {"mean_max_over_mean_live", mean_of(live_mm_)}};
   }
 
   /// Every rank's output rows after the last step, gathered to rank 0 so the
@@ -343,6 +443,7 @@ class LayerRun {
     report["steps"] = steps_;
     report["warmup"] = warmup_;
     report["topology"] = json::parse(setup_.comms->to_json(0));
+    if (rebalance_every_ > 0) report["rebalance"] = rebalance_report();
     std::vector<std::string> const stage_order = {"router", "route_plan", "dispatch", "experts", "combine_exchange", "combine",
                                                   "shared_experts", "statistics"};
     std::ostringstream table;
@@ -437,6 +538,10 @@ class LayerRun {
       for (std::size_t a = 0; a < algorithms_.size(); ++a) all = all && totals_[name(a)].identical;
       p << " compare_identical=" << (all ? "yes" : "no");
     }
+    if (rebalance_every_ > 0) {
+      p << " rebalance_every=" << rebalance_every_ << " generations=" << switches_.size()
+        << " mean_max_over_mean_first_placement=" << fmt(mean_of(first_mm_)) << " mean_max_over_mean_live=" << fmt(mean_of(live_mm_));
+    }
     return p.str();
   }
 
@@ -447,7 +552,7 @@ class LayerRun {
   Exec exec_;
   Setup::Run setup_;
   RowMatrix<T, MS> router_weight_;
-  MoELayer<T, Exec, MS> layer_;
+  std::unique_ptr<MoELayer<T, Exec, MS>> layer_;
   std::vector<Exchange::Algorithm> algorithms_;
   double watchdog_ = 0;
   int warmup_ = 0, steps_ = 0;
@@ -461,6 +566,10 @@ class LayerRun {
   Kokkos::View<int**, Kokkos::LayoutRight, MS> explicit_slot_;
   double router_seconds_ = 0;
   std::vector<index_t> counts_;
+  int rebalance_every_ = 0;
+  std::vector<double> window_;             // routes per expert since the last rebalancing (all ranks)
+  std::vector<double> first_mm_, live_mm_;  // per measured step: ideal max/mean rank load
+  std::vector<Switch> switches_;
   std::map<std::string, Totals> totals_;
   StepSeries series_;
   Kokkos::Timer timer_;
@@ -589,6 +698,9 @@ int main(int argc, char* argv[]) {
     std::string transport;
     app.add_option("--transport", transport, "how rows move (overrides [exchange] transport)")
         ->check(CLI::IsMember(enum_names<Exchange::TransportKind>()));
+    app.add_option("--rebalance-every", opt.rebalance_every,
+                   "rebalance the EPLB placement every N steps, 0 never (overrides [placement] rebalance_every)")
+        ->check(CLI::NonNegativeNumber);
     app.add_flag("--print-output", opt.print_output, "print every rank's output rows after the last step");
     if (int const rc = kmoe_app::parse(app, argc, argv, rank); rc >= 0) return rc;
     auto deck = read_layer_deck(MPI_COMM_WORLD, opt.deck);
@@ -602,6 +714,8 @@ int main(int argc, char* argv[]) {
       print_kokkos_configuration(std::cout);
       std::cout << deck.resolved() << std::flush;
     }
+    KOKKOSMOE_REQUIRE(deck.run.mode != "train" || opt.rebalance_every <= 0,
+                      "--rebalance-every is not read with run.mode = \"train\" (" << deck.path << ")");
     if (deck.run.mode == "train") return train(deck, opt);
     if (deck.model.dtype == "bf16") return LayerRun<bf16_t>(deck, opt).run();
     return LayerRun<float>(deck, opt).run();

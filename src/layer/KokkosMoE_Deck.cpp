@@ -324,6 +324,7 @@ void parse_placement(Reader& r, LayerDeck& d, int ranks_for_layout) {
   d.placement.groups = static_cast<int>(r.integer("placement.groups", 1, 1, 65535));
   d.placement.loads = r.reals("placement.loads", 0.0, huge);
   d.placement.load_file = r.string("placement.load_file", "");
+  d.placement.rebalance_every = static_cast<int>(r.integer("placement.rebalance_every", 0, 0, big));
   d.placement.replica_policy = r.option("placement.replica_policy", ReplicaPolicy::locality);
   r.tables("placement.slots", [&](Reader& s, std::size_t) {
     DeckSlot slot;
@@ -351,8 +352,11 @@ void parse_placement(Reader& r, LayerDeck& d, int ranks_for_layout) {
     if (!d.placement.loads.empty() && static_cast<int>(d.placement.loads.size()) != d.model.experts)
       r.fail("placement.loads", "has " + std::to_string(d.placement.loads.size()) + " entries for " + std::to_string(d.model.experts) + " experts");
     d.placement.physical_slots = S;
-  } else if (d.placement.physical_slots != 0 || !d.placement.loads.empty() || !d.placement.load_file.empty()) {
-    r.fail(d.placement.physical_slots != 0 ? "placement.physical_slots" : (d.placement.loads.empty() ? "placement.load_file" : "placement.loads"),
+  } else if (d.placement.physical_slots != 0 || !d.placement.loads.empty() || !d.placement.load_file.empty() ||
+             d.placement.rebalance_every != 0) {
+    r.fail(d.placement.physical_slots != 0 ? "placement.physical_slots"
+           : d.placement.rebalance_every != 0 ? "placement.rebalance_every"
+           : (d.placement.loads.empty() ? "placement.load_file" : "placement.loads"),
            "is only read with an EPLB placement policy");
   }
 }
@@ -439,6 +443,8 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
       r.fail("run.mode", "= \"train\" needs tokens.source = \"router\" (the router's gates are trained; got \"" + d.tokens.source + "\")");
     if (!d.run.compare.empty()) r.fail("run.compare", "is not read with run.mode = \"train\"");
     if (d.run.schedule != ScheduleKind::serial) r.fail("run.schedule", "must be \"serial\" with run.mode = \"train\"");
+    if (d.placement.rebalance_every != 0)
+      r.fail("placement.rebalance_every", "is not read with run.mode = \"train\" (the optimizer state stays with its slots)");
   }
   r.finish();
   check_router(r, d, ranks);
@@ -503,7 +509,7 @@ std::string LayerDeck::resolved() const {
   os << "\n[placement]\npolicy = " << quoted(to_string(placement.policy)) << "\n";
   if (is_eplb(placement.policy))
     os << "physical_slots = " << placement.physical_slots << "\ngroups = " << placement.groups << "\nloads = " << toml_list_of(placement.loads)
-       << "\nload_file = " << quoted(placement.load_file) << "\n";
+       << "\nload_file = " << quoted(placement.load_file) << "\nrebalance_every = " << placement.rebalance_every << "\n";
   os << "replica_policy = " << quoted(to_string(placement.replica_policy)) << "\n";
   for (auto const& s : placement.slots) os << "[[placement.slots]]\nexpert = " << s.expert << "\nrank = " << s.rank << "\n";
   os << "\n[exchange]\nalgorithm = " << quoted(to_string(exchange.algorithm)) << "\ntransport = " << quoted(to_string(exchange.transport))

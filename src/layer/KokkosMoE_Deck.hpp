@@ -129,6 +129,7 @@ struct LayerDeck {
     int groups = 1;                      ///< EPLB expert groups
     std::vector<double> loads;           ///< EPLB: per-expert load (empty: from load_file, else uniform)
     std::string load_file;               ///< EPLB: load file (kmoe-eplb formats)
+    int rebalance_every = 0;             ///< EPLB: rebuild the placement from every N steps' observed load (0: never)
     ReplicaPolicy replica_policy = ReplicaPolicy::locality;
     std::vector<DeckSlot> slots;         ///< explicit
   } placement;

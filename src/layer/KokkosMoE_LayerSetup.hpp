@@ -178,6 +178,14 @@ inline Run make_run(LayerDeck const& deck, MPI_Comm comm) {
   return run;
 }
 
+/// \brief Layer configuration of a run's deck on another placement (a
+/// rebalanced generation): the run's emulated fabric is kept.
+inline LayerConfig layer_config(LayerDeck const& d, Run const& run, Placement const& placement) {
+  LayerConfig c = layer_config(d, placement);
+  c.exchange.fabric = run.config.exchange.fabric;
+  return c;
+}
+
 /// \brief [E, d] router weight: element (e, c) = (2u - 1) / sqrt(d), u from (seed, e, c).
 template <class T, class MS>
 RowMatrix<T, MS> router_weight(LayerDeck const& d) {
