@@ -23,8 +23,12 @@ namespace Experts {
 /// \param weights local experts.
 /// \param X [n, d] rows (float or bf16_t).
 /// \param offsets [L + 1] segment offsets (validated).
+/// \param down_magnitude optional out [n * d]: sum over j of |h_j| |down[c][j]|
+///        (SwiGLU; 0 for scalar experts), the scale of the error that rounding
+///        the intermediate rows h (e.g. to bf16) contributes to output c.
 template <class WT, class MemorySpace, class XV, class OffV>
-std::vector<double> reference_run(ExpertWeights<WT, MemorySpace> const& weights, XV const& X, OffV const& offsets) {
+std::vector<double> reference_run(ExpertWeights<WT, MemorySpace> const& weights, XV const& X, OffV const& offsets,
+                                  std::vector<double>* down_magnitude = nullptr) {
   int const L = weights.num_slots(), d = weights.d(), dff = weights.d_ff();
   auto hx = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), X);
   auto ho = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), offsets);
@@ -34,6 +38,7 @@ std::vector<double> reference_run(ExpertWeights<WT, MemorySpace> const& weights,
                     "Experts::reference_run: X is " << X.extent(0) << "x" << X.extent(1) << ", offsets has "
                                                     << offsets.extent(0) << " entries, d = " << d << ", L = " << L);
   std::vector<double> Y(n * static_cast<std::size_t>(d), 0.0);
+  if (down_magnitude) down_magnitude->assign(Y.size(), 0.0);
   if (!weights.has_swiglu()) {
     std::vector<float> const& s = weights.scalar_scale_host();
     for (int q = 0; q < L; ++q)
@@ -58,9 +63,14 @@ std::vector<double> reference_run(ExpertWeights<WT, MemorySpace> const& weights,
         h[static_cast<std::size_t>(j)] = g / (1.0 + std::exp(-g)) * u;
       }
       for (int c = 0; c < d; ++c) {
-        double y = 0;
-        for (int j = 0; j < dff; ++j) y += h[static_cast<std::size_t>(j)] * static_cast<double>(to_float(hd(q, c, j)));
+        double y = 0, m = 0;
+        for (int j = 0; j < dff; ++j) {
+          double const w = static_cast<double>(to_float(hd(q, c, j)));
+          y += h[static_cast<std::size_t>(j)] * w;
+          m += std::fabs(h[static_cast<std::size_t>(j)] * w);
+        }
         Y[static_cast<std::size_t>(r) * d + c] = y;
+        if (down_magnitude) (*down_magnitude)[static_cast<std::size_t>(r) * d + c] = m;
       }
     }
   return Y;

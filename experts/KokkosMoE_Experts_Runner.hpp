@@ -11,7 +11,8 @@
 /// row r of Y is the expert of r's segment applied to row r of X:
 ///
 ///     Y_q = (SiLU(X_q Wg_q^T) * (X_q Wu_q^T)) Wd_q^T     (FP32 accumulation,
-///                                                         H kept in FP32)
+///                                                         H kept in FP32 except
+///                                                         on the bf16 paths below)
 ///
 /// Runners (RunnerKind), selectable at run time, compute the same function:
 ///
@@ -19,7 +20,10 @@
 ///   segment x row tile x column range, team scratch; SiLU and the product
 ///   fused into the first phase). On host execution spaces it uses
 ///   register-blocked micro-kernels for the CPU's ISA (AVX-512, AVX2 or the
-///   baseline, chosen at run time); elsewhere the portable team kernel
+///   baseline, chosen at run time; with bf16 rows and weights on a CPU with
+///   AVX512-BF16 both phases use pair dot products and H is stored as bf16,
+///   rounded once after the SwiGLU, like the vendor path); elsewhere the
+///   portable team kernel
 ///   (register-tiled, float or bf16 rows and weights). Where a vendor grouped
 ///   GEMM applies (cuBLAS cublasGemmGroupedBatchedEx on CUDA, tensor cores
 ///   for bf16; tpls/KokkosMoE_Experts_Grouped_cuBLAS.hpp) it is the default:
@@ -367,6 +371,58 @@ class Runner {
     return Impl::is_host_exec<ExecutionSpace>();
   }
 
+  /// The grouped runner's host SIMD phases (gate/up -> H, H -> down) with
+  /// intermediate rows H.
+  template <class WT, class XV, class YV, class HV>
+  void run_host_grouped(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, XV const& X,
+                        std::vector<index_t> const& offs, YV const& Y, HV const& H, Impl::HostKernelTable const& table,
+                        RunLedger& ledger) {
+    int const d = w.d(), dff = w.d_ff();
+    index_t const n = offs.back();
+    using weights_view = typename ExpertWeights<WT, MemorySpace>::tensor_type;
+    int const tile_rows = table.max_vectors * table.vector_length;
+    std::vector<Impl::Tile> const tiles = Impl::make_tiles(offs, tile_rows);
+    Kokkos::View<Impl::Tile*, Kokkos::HostSpace> tv("KokkosMoE::Experts::Runner::tiles", tiles.size());
+    for (std::size_t i = 0; i < tiles.size(); ++i) tv(i) = tiles[i];
+    int groups = options_.host_column_groups;
+    if (groups <= 0) {
+      int const conc = exec.concurrency();
+      groups = conc <= 1 || tiles.empty() ? 1 : static_cast<int>((2 * static_cast<std::size_t>(conc) + tiles.size() - 1) / tiles.size());
+    }
+    Impl::HostGroupedPhase<ExecutionSpace, XV, weights_view, HV, 1> p1;
+    p1.in = X;
+    p1.w0 = w.gate();
+    p1.w1 = w.up();
+    p1.out = H;
+    p1.tiles = tv;
+    p1.table = table;
+    p1.K = d;
+    p1.N = dff;
+    p1.groups = Compat::max(1, Compat::min(groups, (dff + 1) / 2));
+    int const decode = options_.decode_rows < 0 ? default_decode_rows : options_.decode_rows;
+    p1.decode_rows = decode;
+    index_t decoded = 0;
+    for (Impl::Tile const& t : tiles) decoded += t.rows <= decode ? t.rows : 0;
+    ledger.decode_rows += decoded;
+    launch_host(exec, p1, tiles.size(), "KokkosMoE::Experts::Runner::grouped[phase1]");
+    Impl::HostGroupedPhase<ExecutionSpace, HV, weights_view, YV, 2> p2;
+    p2.in = H;
+    p2.w0 = w.down();
+    p2.out = Y;
+    p2.tiles = tv;
+    p2.table = table;
+    p2.K = dff;
+    p2.N = d;
+    p2.groups = Compat::max(1, Compat::min(groups, d));
+    p2.decode_rows = decode;
+    launch_host(exec, p2, tiles.size(), "KokkosMoE::Experts::Runner::grouped[phase2]");
+    ledger.kernel_launches += 2;
+    ledger.descriptor_bytes += static_cast<index_t>(tiles.size() * sizeof(Impl::Tile));
+    bool const dot = decltype(p1)::dp_types && table.dp[1] != nullptr;
+    ledger.path = std::string("grouped[host:") + table.isa + (dot ? ",bf16dot" : "") +
+                  (decoded == n ? ",decode" : decoded > 0 ? ",tiled+decode" : "") + "]";
+  }
+
   /// Grouped kernel over segments `offs` of rows X -> Y.
   template <class WT, class XV, class YV>
   void run_grouped(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, XV const& X,
@@ -385,55 +441,24 @@ class Runner {
     }
     int const d = w.d(), dff = w.d_ff();
     index_t const n = offs.back();
-    auto H = ws_.template matrix<float>(exec, "h", n, dff);
     using weights_view = typename ExpertWeights<WT, MemorySpace>::tensor_type;
     if (use_host_simd()) {
       if constexpr (Impl::is_host_exec<ExecutionSpace>()) {
         Impl::HostKernelTable const& table = Impl::host_kernel_table(options_.host_isa);
-        int const tile_rows = table.max_vectors * table.vector_length;
-        std::vector<Impl::Tile> const tiles = Impl::make_tiles(offs, tile_rows);
-        Kokkos::View<Impl::Tile*, Kokkos::HostSpace> tv("KokkosMoE::Experts::Runner::tiles", tiles.size());
-        for (std::size_t i = 0; i < tiles.size(); ++i) tv(i) = tiles[i];
-        int groups = options_.host_column_groups;
-        if (groups <= 0) {
-          int const conc = exec.concurrency();
-          groups = conc <= 1 || tiles.empty() ? 1 : static_cast<int>((2 * static_cast<std::size_t>(conc) + tiles.size() - 1) / tiles.size());
+        if constexpr (std::is_same<WT, bf16_t>::value && std::is_same<xt, bf16_t>::value) {
+          // bf16 rows and weights with the pair dot-product kernels: the
+          // intermediate rows are bf16 too (rounded once after the SwiGLU),
+          // so that the down projection runs on pair dot products as well.
+          if (table.dp[1] != nullptr) {
+            run_host_grouped(exec, w, X, offs, Y, ws_.template matrix<bf16_t>(exec, "h_bf16", n, dff), table, ledger);
+            return;
+          }
         }
-        Impl::HostGroupedPhase<ExecutionSpace, XV, weights_view, decltype(H), 1> p1;
-        p1.in = X;
-        p1.w0 = w.gate();
-        p1.w1 = w.up();
-        p1.out = H;
-        p1.tiles = tv;
-        p1.table = table;
-        p1.K = d;
-        p1.N = dff;
-        p1.groups = Compat::max(1, Compat::min(groups, (dff + 1) / 2));
-        int const decode = options_.decode_rows < 0 ? default_decode_rows : options_.decode_rows;
-        p1.decode_rows = decode;
-        index_t decoded = 0;
-        for (Impl::Tile const& t : tiles) decoded += t.rows <= decode ? t.rows : 0;
-        ledger.decode_rows += decoded;
-        launch_host(exec, p1, tiles.size(), "KokkosMoE::Experts::Runner::grouped[phase1]");
-        Impl::HostGroupedPhase<ExecutionSpace, decltype(H), weights_view, YV, 2> p2;
-        p2.in = H;
-        p2.w0 = w.down();
-        p2.out = Y;
-        p2.tiles = tv;
-        p2.table = table;
-        p2.K = dff;
-        p2.N = d;
-        p2.groups = Compat::max(1, Compat::min(groups, d));
-        p2.decode_rows = decode;
-        launch_host(exec, p2, tiles.size(), "KokkosMoE::Experts::Runner::grouped[phase2]");
-        ledger.kernel_launches += 2;
-        ledger.descriptor_bytes += static_cast<index_t>(tiles.size() * sizeof(Impl::Tile));
-        bool const dot = decltype(p1)::dp_types && table.dp[1] != nullptr;
-        ledger.path = std::string("grouped[host:") + table.isa + (dot ? ",bf16dot" : "") +
-                      (decoded == n ? ",decode" : decoded > 0 ? ",tiled+decode" : "") + "]";
+        run_host_grouped(exec, w, X, offs, Y, ws_.template matrix<float>(exec, "h", n, dff), table, ledger);
         return;
       }
     }
+    auto H = ws_.template matrix<float>(exec, "h", n, dff);
     using tile_view = Kokkos::View<Impl::Tile*, MemorySpace>;
     constexpr int MT = Impl::PortableGroupedPhase<ExecutionSpace, XV, weights_view, decltype(H), tile_view, 1>::MT;
     std::vector<Impl::Tile> const tiles = Impl::make_tiles(offs, MT);

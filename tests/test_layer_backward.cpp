@@ -216,6 +216,19 @@ TEST_CASE("distributed layer backward equals a single-rank backward of the same 
     for (std::size_t i = 0; i < gs.size(); ++i) ws = std::max(ws, std::abs(static_cast<double>(gs[i]) - gs1[i]) / (std::abs(gs1[i]) + 1e-3));
     CHECK(wr <= 1e-4);
     CHECK(ws <= 1e-4);
+    {
+      auto const got = host(dX);
+      bool dxb = std::memcmp(got.data(), mine.data(), got.size()*4) == 0;
+      bool eb = true;
+      for (std::size_t q = 0; q < slots.size(); ++q) {
+        int const e = dist.run.placement.slot(slots[q]).expert;
+        std::size_t const q1 = static_cast<std::size_t>(one.run.placement.log2phy()[static_cast<std::size_t>(e)][0]);
+        eb = eb && std::memcmp(&gd[q*per], &gd1[q1*per], per*4) == 0 && std::memcmp(&gg[q*per], &gg1[q1*per], per*4) == 0;
+      }
+      bool rb = std::memcmp(gr.data(), gr1.data(), gr.size()*4) == 0;
+      bool sb = std::memcmp(gs.data(), gs1.data(), gs.size()*4) == 0;
+      WARN("BITWISE " << algorithm << " np" << size << " rank" << rank << " dX=" << dxb << " experts=" << eb << " router=" << rb << " shared=" << sb << " wx/worst " << worst);
+    }
   }
 }
 

@@ -88,9 +88,10 @@ struct HostGroupedPhase {
   using weight_value = typename W::non_const_value_type;
   using in_value = typename In::non_const_value_type;
   static constexpr bool bf16_weights = std::is_same<weight_value, bf16_t>::value;
-  /// bf16 rows times bf16 weights (phase 1 of a bf16 layer): the pair
-  /// dot-product kernels where the table has them.
-  static constexpr bool dp_types = Phase == 1 && bf16_weights && std::is_same<in_value, bf16_t>::value;
+  /// bf16 rows times bf16 weights (phase 1 of a bf16 layer, and phase 2
+  /// when the intermediate rows are bf16): the pair dot-product kernels
+  /// where the table has them.
+  static constexpr bool dp_types = bf16_weights && std::is_same<in_value, bf16_t>::value;
   bool use_dp() const { return dp_types && table.dp[1] != nullptr; }
 
   // User-provided: see ExpertWeights() on GCC 12 and View members.
@@ -216,10 +217,11 @@ struct HostGroupedPhase {
     }
   }
 
-  /// Phase 1 of bf16 rows and weights with the pair dot-product kernel: the
-  /// row tile as pairs xt2[p * R + i] (zero beyond the tile's rows), the
-  /// gate/up rows read in place as bf16 (the tensor's last columns copied
-  /// as bf16, the last one repeated).
+  /// bf16 rows and weights with the pair dot-product kernel: the row tile as
+  /// pairs xt2[p * R + i] (zero beyond the tile's rows), the weight rows read
+  /// in place as bf16 (phase 1: gate/up rows c0..; phase 2: nrw consecutive
+  /// down rows), the tensor's last columns copied as bf16, the last one
+  /// repeated.
   void dp_tile(Tile const& t, int mv, int c_begin, int c_end, float* xt, float* tail, float* acc) const {
     int const rows = static_cast<int>(t.rows);
     int const R = mv * table.vector_length;
@@ -239,11 +241,14 @@ struct HostGroupedPhase {
     for (int c0 = c_begin; c0 < c_end; c0 += P) {
       int const nc = Compat::min(P, c_end - c0);
       if (c0 + P <= N) {
-        table.dp[mv](K, xt2, host_weight_ptr(&w0(q, c0, 0)), host_weight_ptr(&w1(q, c0, 0)), K, acc);
+        std::uint16_t const* a = host_weight_ptr(&w0(q, c0, 0));
+        std::uint16_t const* b = Phase == 1 ? host_weight_ptr(&w1(q, c0, 0)) : a + static_cast<std::size_t>(h) * K;
+        table.dp[mv](K, xt2, a, b, K, acc);
       } else {
         for (int j = 0; j < nrw; ++j) {
-          int const col = c0 + Compat::min(j < h ? j : j - h, nc - 1);
-          std::uint16_t const* src = host_weight_ptr(j < h ? &w0(q, col, 0) : &w1(q, col, 0));
+          int const jj = Phase == 1 ? (j < h ? j : j - h) : j;
+          int const col = c0 + Compat::min(jj, nc - 1);
+          std::uint16_t const* src = host_weight_ptr((Phase == 1 && j >= h) ? &w1(q, col, 0) : &w0(q, col, 0));
           for (int k = 0; k < K; ++k) panel[static_cast<std::size_t>(j) * K + k] = src[k];
         }
         table.dp[mv](K, xt2, panel, panel + static_cast<std::size_t>(h) * K, K, acc);
@@ -299,10 +304,14 @@ void host_decode_tile(HostGroupedPhase<ExecutionSpace, In, W, Out, Phase> const&
       for (int c0 = c_begin; c0 < c_end; c0 += VL) {
         int const nc = Compat::min(VL, c_end - c0);
         block(p.w0, c0, nc, a);
-        block(p.w1, c0, nc, b);
+        if (Phase == 1) block(p.w1, c0, nc, b);
         for (int i = 0; i < rows; ++i) {
           auto* dst = &p.out(t.row0 + i, c0);
-          for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(silu(a[i * VL + j]) * b[i * VL + j]);
+          if (Phase == 1) {
+            for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(silu(a[i * VL + j]) * b[i * VL + j]);
+          } else {
+            for (int j = 0; j < nc; ++j) dst[j] = from_float<out_value>(a[i * VL + j]);
+          }
         }
       }
       return;
