@@ -284,22 +284,30 @@ void host_decode_tile(HostGroupedPhase<ExecutionSpace, In, W, Out, Phase> const&
   long const ld = K;
   if constexpr (phase_t::dp_types) {
     if (p.use_dp()) {
-      // bf16 rows in place, bf16 weights as pairs (the last columns copied).
-      std::uint16_t const* x = host_weight_ptr(&p.in(t.row0, 0));
-      long const ldx = static_cast<long>(p.in.stride(0));
+      // The tile's bf16 rows as pairs xt2[q * rows + i] (an odd K's last
+      // element paired with 0), bf16 weights as pairs in place (the last
+      // columns copied).
+      auto* const xt2 = reinterpret_cast<std::uint32_t*>(xs);
+      int const Kp = (K + 1) / 2;
+      for (int i = 0; i < rows; ++i) {
+        std::uint16_t const* src = host_weight_ptr(&p.in(t.row0 + i, 0));
+        for (int pp = 0; pp < Kp; ++pp)
+          xt2[static_cast<std::size_t>(pp) * rows + i] =
+              2 * pp + 1 < K ? (std::uint32_t(src[2 * pp + 1]) << 16 | src[2 * pp]) : std::uint32_t(src[2 * pp]);
+      }
       auto* const panel = reinterpret_cast<std::uint16_t*>(tail);
       float* const a = acc;
       float* const b = acc + static_cast<std::size_t>(rows) * VL;
       auto block = [&](W const& w, int c0, int nc, float* o) {
         if (nc == VL) {
-          p.table.decode_dp[rows](K, x, ldx, host_weight_ptr(&w(q, c0, 0)), ld, o);
+          p.table.decode_dp[rows](K, xt2, host_weight_ptr(&w(q, c0, 0)), ld, o);
           return;
         }
         for (int j = 0; j < VL; ++j) {
           std::uint16_t const* src = host_weight_ptr(&w(q, c0 + Compat::min(j, nc - 1), 0));
           for (int k = 0; k < K; ++k) panel[static_cast<std::size_t>(j) * K + k] = src[k];
         }
-        p.table.decode_dp[rows](K, x, ldx, panel, ld, o);
+        p.table.decode_dp[rows](K, xt2, panel, ld, o);
       };
       for (int c0 = c_begin; c0 < c_end; c0 += VL) {
         int const nc = Compat::min(VL, c_end - c0);

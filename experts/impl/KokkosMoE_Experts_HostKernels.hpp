@@ -48,13 +48,13 @@ using HostDecodeKernelBF16 = void (*)(int K, float const* x, long ldx, std::uint
 /// \brief bf16 rows times bf16 weights with bf16 pair dot products
 /// (AVX512-BF16 vdpbf16ps), FP32 accumulation: every output adds, pair by
 /// pair in increasing k, w[2p] x[2p] + w[2p+1] x[2p+1] as the instruction
-/// does (an odd K ends with the pair (w[K-1], 0)). The tiled form takes the
-/// row tile as pairs xt2[p * R + i] = (x_i[2p], x_i[2p+1]); the decode form
-/// reads bf16 rows x_i = x + i * ldx in place. Both give the same bits for a
-/// row.
+/// does (an odd K ends with the pair (w[K-1], 0)). Both forms take their
+/// rows as pairs xt2[p * R + i] = (x_i[2p], x_i[2p+1]) (R: the tile's row
+/// vectors times the vector length, or the decode form's rows) and give the
+/// same bits for a row.
 using HostMicroKernelDP = void (*)(int K, std::uint32_t const* xt2, std::uint16_t const* w0, std::uint16_t const* w1,
                                    long ldw, float* acc);
-using HostDecodeKernelDP = void (*)(int K, std::uint16_t const* x, long ldx, std::uint16_t const* w, long ldw, float* out);
+using HostDecodeKernelDP = void (*)(int K, std::uint32_t const* xt2, std::uint16_t const* w, long ldw, float* out);
 
 /// \brief The micro-kernels of one instruction set.
 struct HostKernelTable {

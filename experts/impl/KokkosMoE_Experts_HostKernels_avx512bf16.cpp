@@ -61,13 +61,12 @@ void micro_dp(int K, std::uint32_t const* __restrict xt2, std::uint16_t const* _
     for (int m = 0; m < MV; ++m) _mm512_storeu_ps(acc + j * R + m * 16, c[j][m]);
 }
 
-// out[i * 16 + j] over the 16 weight rows w + j * ldw and the R bf16 rows
-// x + i * ldx: blocks of 16 rows x 16 pairs (one cache line per row) are
-// transposed as 32-bit pairs, so lane j of block vector pp holds row j's
-// pair p0 + pp, met by row i's pair broadcast.
+// out[i * 16 + j] over the 16 weight rows w + j * ldw and the R rows given
+// as pairs xt2[p * R + i]: blocks of 16 rows x 16 pairs (one cache line per
+// row) are transposed as 32-bit pairs, so lane j of block vector pp holds
+// row j's pair p0 + pp, met by row i's pair broadcast.
 template <int R>
-void decode_dp(int K, std::uint16_t const* __restrict x, long ldx, std::uint16_t const* __restrict w, long ldw,
-               float* __restrict out) {
+void decode_dp(int K, std::uint32_t const* __restrict xt2, std::uint16_t const* __restrict w, long ldw, float* __restrict out) {
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
@@ -82,12 +81,12 @@ void decode_dp(int K, std::uint16_t const* __restrict x, long ldx, std::uint16_t
       std::memcpy(&t[j], row, sizeof(vfloat));
     }
     transpose_stage<8>(t);
+    std::uint32_t const* xp = xt2 + static_cast<long>(p0) * R;
 #pragma GCC unroll 16
     for (int pp = 0; pp < 16; ++pp) {
       __m512i const wv = reinterpret_cast<__m512i const&>(t[pp]);
 #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i)
-        acc[i] = dot(acc[i], wv, _mm512_set1_epi32(static_cast<int>(pair_at(x + i * ldx + 2 * (p0 + pp)))));
+      for (int i = 0; i < R; ++i) acc[i] = dot(acc[i], wv, _mm512_set1_epi32(static_cast<int>(xp[pp * R + i])));
     }
   }
   int const Kp = (K + 1) / 2;
@@ -100,10 +99,7 @@ void decode_dp(int K, std::uint16_t const* __restrict x, long ldx, std::uint16_t
     }
     __m512i const wv = _mm512_load_si512(col);
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      std::uint16_t const* e = x + i * ldx + 2 * p;
-      acc[i] = dot(acc[i], wv, _mm512_set1_epi32(static_cast<int>(last_half ? std::uint32_t(*e) : pair_at(e))));
-    }
+    for (int i = 0; i < R; ++i) acc[i] = dot(acc[i], wv, _mm512_set1_epi32(static_cast<int>(xt2[static_cast<long>(p) * R + i])));
   }
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * 16, acc[i]);

@@ -24,6 +24,7 @@
 #include <KokkosMoE_Experts_Weights.hpp>
 #include <KokkosMoE_LoadStats.hpp>
 #include <KokkosMoE_Placement.hpp>
+#include <KokkosMoE_ReproducibleSum.hpp>
 #include <KokkosMoE_RoutePlan.hpp>
 #include <KokkosMoE_Router.hpp>
 #include <KokkosMoE_RouterBackward.hpp>
@@ -130,6 +131,10 @@ struct LayerBackwardOptions {
   /// The load balance loss added to the objective (its logit gradient joins
   /// the gates'); none when empty. Pooled over the EP group.
   std::optional<BalanceLossConfig> balance;
+  /// Rows per block of the router weight's gradient, summed over the EP
+  /// group reproducibly (KokkosMoE_ReproducibleSum.hpp): the same bits for
+  /// any split of the tokens over ranks in multiples of it.
+  int gradient_block = 64;
 };
 
 /// \brief What a backward did: the balance loss, and seconds per stage
@@ -362,9 +367,8 @@ class MoELayer {
         rec.balance_loss = balance_loss(exec, config_.router, *options.balance, CMat(logits), table_, ep, dlogits, 1.0f, watchdog).loss;
       auto dxf = work_.template matrix<float>(exec, "bwd_dx_router", n, static_cast<std::size_t>(d));
       gemm(exec, 'N', 'N', 1.0f, dlogits, router_weight_, 0.0f, dxf, config_.router_gemm);
-      gemm(exec, 'T', 'N', 1.0f, dlogits, hidden, 0.0f, grads.router, config_.router_gemm);
       add_rows(exec, dxf, dX);
-      sum_over_ranks(exec, grads.router, ep, watchdog);
+      reproducible_atb_sum(exec, dlogits, hidden, grads.router, options.gradient_block, ep, watchdog, config_.router_gemm);
     }
     if (shared_ && shared_->num_slots() > 0) {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "shared_experts");
