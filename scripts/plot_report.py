@@ -8,7 +8,10 @@ steps.
 
 Needs Debian's python3-matplotlib (and python3-h5py for the time series).
 Writes stage_breakdown.png, ledger_bytes.png, schedule.png and, with the HDF5 file,
-drops_and_load.png; for a training run ([run] mode = "train"), loss_curve.png
+drops_and_load.png; for a run that rebalanced its placement ([placement]
+rebalance_every), rank_load.png (ideal max/mean rank load per step of the
+first placement and of the live one, each switch marked); for a training
+run ([run] mode = "train"), loss_curve.png
 (loss, gradient norm and balance loss per step) and backward_stages.png;
 prints the paths it wrote.
 
@@ -150,6 +153,25 @@ def drops_and_load(h5path, out):
     return save(fig, out, "drops_and_load.png")
 
 
+def rank_load(report, out):
+    rb = report["rebalance"]
+    first, live = rb["max_over_mean_first_placement"], rb["max_over_mean_live"]
+    warmup = report.get("warmup", 0)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = range(warmup, warmup + len(live))
+    ax.plot(steps, first, label=f"first placement (mean {rb['mean_max_over_mean_first_placement']:.3f})")
+    ax.plot(steps, live, label=f"live placement (mean {rb['mean_max_over_mean_live']:.3f})")
+    for i, sw in enumerate(rb["switches"]):
+        ax.axvline(sw["after_step"] + 0.5, color="grey", linestyle=":", label="rebalanced" if i == 0 else None)
+    ax.axhline(1.0, color="black", linewidth=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean rank load (ideal)")
+    ax.set_title(f"{os.path.basename(report.get('deck', ''))}: rebalanced every {rb['every']} steps, "
+                 f"{rb['generations']} switches, {report.get('ranks', '?')} ranks")
+    ax.legend(fontsize="small")
+    return save(fig, out, "rank_load.png")
+
+
 def loss_curve(report, out):
     train = report["train"]
     loss = train["loss"]
@@ -271,6 +293,8 @@ def main():
     gantt = schedule_gantt(report, out)
     if gantt:
         written.append(gantt)
+    if report.get("rebalance", {}).get("max_over_mean_live"):
+        written.append(rank_load(report, out))
     h5 = args.hdf5 or os.path.splitext(args.report)[0] + ".h5"
     if os.path.exists(h5):
         written.append(drops_and_load(h5, out))
