@@ -14,6 +14,10 @@
 /// rebuilt on the new placement computes what the old one did, bit for bit
 /// (unless routing depends on the placement: node-limited domains or
 /// device-capacity admission follow the new expert -> rank map).
+///
+/// Memory: while it runs, a rank holds its slots' parameters as host blobs
+/// twice (the old slots' and the new slots'); the caller holds both
+/// generations' device weights until it releases the old layer.
 
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Digest.hpp>
