@@ -598,6 +598,8 @@ int train(LayerDeck const& deck, Options const& opt) {
   tc.optimizer = deck.train.optimizer;
   tc.learning_rate = deck.train.learning_rate;
   tc.schedule = deck.train.schedule;
+  tc.gradient_block = deck.train.gradient_block;
+  tc.reproducible_shared = deck.train.reproducible_shared;
   tc.total_steps = opt.steps >= 0 ? opt.steps : deck.run.steps;
   if (deck.train.balance_alpha > 0) {
     tc.balance = BalanceLossConfig{};

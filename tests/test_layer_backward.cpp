@@ -185,6 +185,7 @@ TEST_CASE("distributed layer backward equals a single-rank backward of the same 
     LayerGradients<MS> g, g1;
     LayerBackwardOptions bo;
     bo.gradient_block = 5;  // divides every rank's 10 tokens: the same blocks as the single rank's
+    bo.reproducible_shared = algorithm != "flat";  // flat: the shared experts' floating-point sums
     dist.layer->backward(exec, hidden, rows_of(dout, T, d), dX, g, bo);
     one.layer->backward(exec, hidden1, rows_of(dout1, N, d), dX1, g1, bo);
     auto const all = host(dX1);
@@ -210,9 +211,8 @@ TEST_CASE("distributed layer backward equals a single-rank backward of the same 
       }
     }
     CHECK(worst <= 1e-4);  // pooled-wave adds its waves' gradients one by one
-    // The router weight's gradient is summed reproducibly: the same bits.
-    // Shared experts (held by every rank): sums over the ranks, within
-    // rounding of the different summation order.
+    // The router weight's gradient is summed reproducibly: the same bits;
+    // the shared experts' too when asked, else within rounding.
     auto const gr = host(g.router), gr1 = host(g1.router), gs = host(g.shared.up), gs1 = host(g1.shared.up);
     double wr = 0, ws = 0;
     for (std::size_t i = 0; i < gr.size(); ++i) wr = std::max(wr, std::abs(static_cast<double>(gr[i]) - gr1[i]) / (std::abs(gr1[i]) + 1e-3));
@@ -220,6 +220,11 @@ TEST_CASE("distributed layer backward equals a single-rank backward of the same 
     CHECK(kmoe_test::same_bits(gr, gr1));
     CHECK(wr <= 1e-4);
     CHECK(ws <= 1e-4);
+    if (bo.reproducible_shared) {
+      CHECK(kmoe_test::same_bits(gs, gs1));
+      CHECK(kmoe_test::same_bits(host(g.shared.gate), host(g1.shared.gate)));
+      CHECK(kmoe_test::same_bits(host(g.shared.down), host(g1.shared.down)));
+    }
     // Flat and hierarchical deliver every expert's rows in the single rank's
     // order (by origin rank, then token): dX and the routed experts'
     // gradients are the same bits. Pooled-wave splits segments into waves.

@@ -77,6 +77,8 @@ struct LayerDeck {
     std::uint64_t teacher_seed = 0;    ///< the teacher's weights (0: run.seed + 1)
     double balance_alpha = 0.0;        ///< Switch balance loss coefficient (0: none)
     std::string teacher_router = "student";  ///< "student": the teacher routes like the untrained student; "own"
+    int gradient_block = 64;           ///< tokens per block of the reproducible gradient sums
+    bool reproducible_shared = false;  ///< shared experts' gradients summed reproducibly too
   } train;
 
   struct Model {

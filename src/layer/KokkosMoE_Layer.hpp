@@ -135,6 +135,13 @@ struct LayerBackwardOptions {
   /// group reproducibly (KokkosMoE_ReproducibleSum.hpp): the same bits for
   /// any split of the tokens over ranks in multiples of it.
   int gradient_block = 64;
+  /// Sum the shared experts' weight gradients over the EP group reproducibly
+  /// too, in blocks of gradient_block tokens (the same bits for any split of
+  /// the tokens in whole blocks). It runs the shared experts' backward twice
+  /// (the first pass finds each element's scale) and converts every block's
+  /// gradients on the host; off, they are summed in floating point (equal
+  /// within rounding).
+  bool reproducible_shared = false;
 };
 
 /// \brief What a backward did: the balance loss, and seconds per stage
@@ -372,11 +379,15 @@ class MoELayer {
     }
     if (shared_ && shared_->num_slots() > 0) {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "shared_experts");
-      backward_shared(exec, hidden, dOut, dX, grads.shared);
-      // Every rank holds the shared experts: their gradient is the EP group's sum.
-      sum_over_ranks(exec, grads.shared.gate, ep, watchdog);
-      sum_over_ranks(exec, grads.shared.up, ep, watchdog);
-      sum_over_ranks(exec, grads.shared.down, ep, watchdog);
+      if (options.reproducible_shared) {
+        backward_shared_reproducible(exec, hidden, dOut, dX, grads.shared, options.gradient_block, ep, watchdog);
+      } else {
+        backward_shared(exec, hidden, dOut, dX, grads.shared);
+        // Every rank holds the shared experts: their gradient is the EP group's sum.
+        sum_over_ranks(exec, grads.shared.gate, ep, watchdog);
+        sum_over_ranks(exec, grads.shared.up, ep, watchdog);
+        sum_over_ranks(exec, grads.shared.down, ep, watchdog);
+      }
     }
     Compat::fence(exec, "KokkosMoE::Layer::backward");
     rec.seconds["total"] = total.seconds();
@@ -419,6 +430,58 @@ class MoELayer {
     auto dxs = work_.template matrix<float>(exec, "bwd_shared_dx", n * S, static_cast<std::size_t>(d));
     backward_.backward(exec, *shared_, x, shared_offsets(n), dy, dxs, g);
     add_shared(exec, dxs, dX);
+  }
+
+  /// Shared experts block by block of `block` tokens: dX as backward_shared,
+  /// the weight gradients summed over comm by FixedPointSum (a first pass
+  /// over the blocks finds every element's scale, the second adds).
+  void backward_shared_reproducible(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden,
+                                    RowMatrix<T, MemorySpace> const& dOut, RowMatrix<T, MemorySpace> const& dX,
+                                    Experts::ExpertGradients<MemorySpace>& g, int block, MPI_Comm comm, double watchdog) {
+    KOKKOSMOE_REQUIRE(block > 0, "MoE layer backward: gradient_block " << block << " must be positive");
+    int const S = shared_->num_slots(), d = config_.hidden;
+    index_t const n = static_cast<index_t>(hidden.extent(0));
+    Experts::ExpertGradients<MemorySpace> gb(*shared_);
+    auto hg = Kokkos::create_mirror_view(Kokkos::HostSpace(), gb.gate);
+    auto hu = Kokkos::create_mirror_view(Kokkos::HostSpace(), gb.up);
+    auto hd = Kokkos::create_mirror_view(Kokkos::HostSpace(), gb.down);
+    std::size_t const ng = hg.size(), nu = hu.size(), nd = hd.size();
+    FixedPointSum sum(ng + nu + nd);
+    std::vector<float> term(sum.size());
+    auto block_gradients = [&](index_t b0, index_t b1, bool input_gradient) {
+      std::pair<index_t, index_t> const rows(b0, b1);
+      RowMatrix<T, MemorySpace> const hid = Kokkos::subview(hidden, rows, Kokkos::ALL);
+      RowMatrix<T, MemorySpace> const dout = Kokkos::subview(dOut, rows, Kokkos::ALL);
+      auto x = shared_batch(exec, hid, "bwd_shared_x");
+      auto dy = shared_batch(exec, dout, "bwd_shared_dy");
+      auto dxs = work_.template matrix<float>(exec, "bwd_shared_dx", (b1 - b0) * S, static_cast<std::size_t>(d));
+      backward_.backward(exec, *shared_, x, shared_offsets(b1 - b0), dy, dxs, gb);
+      if (input_gradient) add_shared(exec, dxs, RowMatrix<T, MemorySpace>(Kokkos::subview(dX, rows, Kokkos::ALL)));
+      Compat::fence(exec, "KokkosMoE::Layer::backward: shared block gradients");
+      Kokkos::deep_copy(hg, gb.gate);
+      Kokkos::deep_copy(hu, gb.up);
+      Kokkos::deep_copy(hd, gb.down);
+      std::copy(hg.data(), hg.data() + ng, term.begin());
+      std::copy(hu.data(), hu.data() + nu, term.begin() + static_cast<std::ptrdiff_t>(ng));
+      std::copy(hd.data(), hd.data() + nd, term.begin() + static_cast<std::ptrdiff_t>(ng + nu));
+    };
+    for (index_t b0 = 0; b0 < n; b0 += block) {
+      block_gradients(b0, std::min<index_t>(n, b0 + block), true);
+      sum.observe(term.data());
+    }
+    sum.agree_scale(comm, (n + block - 1) / block, watchdog);
+    for (index_t b0 = 0; b0 < n; b0 += block) {
+      block_gradients(b0, std::min<index_t>(n, b0 + block), false);
+      sum.add(term.data());
+    }
+    sum.result(comm, term.data(), watchdog);
+    std::copy(term.begin(), term.begin() + static_cast<std::ptrdiff_t>(ng), hg.data());
+    std::copy(term.begin() + static_cast<std::ptrdiff_t>(ng), term.begin() + static_cast<std::ptrdiff_t>(ng + nu), hu.data());
+    std::copy(term.begin() + static_cast<std::ptrdiff_t>(ng + nu), term.end(), hd.data());
+    if (g.num_slots() != gb.num_slots() || g.d() != gb.d()) g = Experts::ExpertGradients<MemorySpace>(*shared_);
+    Kokkos::deep_copy(g.gate, hg);
+    Kokkos::deep_copy(g.up, hu);
+    Kokkos::deep_copy(g.down, hd);
   }
 
   /// rows [n, d] once per shared expert ([S n, d]; rows itself for one).

@@ -37,6 +37,8 @@ struct TrainConfig {
   int total_steps = 0;                ///< cosine: the steps of the run
   double beta1 = 0.9, beta2 = 0.999, epsilon = 1e-8;  ///< Adam
   std::optional<BalanceLossConfig> balance;             ///< balance loss added to the objective
+  int gradient_block = 64;                              ///< LayerBackwardOptions::gradient_block
+  bool reproducible_shared = false;                     ///< LayerBackwardOptions::reproducible_shared
 
   /// Throws Error naming the bad value.
   void validate() const {
@@ -44,6 +46,7 @@ struct TrainConfig {
     KOKKOSMOE_REQUIRE(learning_rate > 0 && std::isfinite(learning_rate), "train.learning_rate = " << learning_rate << " must be > 0");
     KOKKOSMOE_REQUIRE(schedule == "constant" || (schedule == "cosine" && total_steps > 0),
                       "train.schedule: '" << schedule << "' (expected constant, or cosine with the run's steps > 0)");
+    KOKKOSMOE_REQUIRE(gradient_block > 0, "train.gradient_block = " << gradient_block << " must be > 0");
     KOKKOSMOE_REQUIRE(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1 && epsilon > 0,
                       "train: Adam needs 0 <= beta1, beta2 < 1 and epsilon > 0 (got " << beta1 << ", " << beta2 << ", " << epsilon << ")");
   }
@@ -176,6 +179,8 @@ class Trainer {
     }
     LayerBackwardOptions bo;
     bo.balance = config_.balance;
+    bo.gradient_block = config_.gradient_block;
+    bo.reproducible_shared = config_.reproducible_shared;
     rec.backward = student_.backward(exec, hidden, dout_, dx_, grads_, bo);
     rec.balance_loss = rec.backward.balance_loss;
     replicas_.reduce(exec, grads_.routed, student_.placement().generation());
