@@ -3,6 +3,7 @@
 
 // Small helpers shared by the tests: fixture loading and MPI facts.
 
+#include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Eplb.hpp>
 
 #include <nlohmann/json.hpp>
@@ -14,6 +15,20 @@
 #include <string>
 
 namespace kmoe_test {
+
+/// The message of the CollectiveError that f throws (empty when it throws
+/// none); then a barrier, so every rank is still in step.
+template <class F>
+std::string collective_error_of(F&& f) {
+  std::string message;
+  try {
+    f();
+  } catch (KokkosMoE::CollectiveError const& e) {
+    message = e.what();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  return message;
+}
 
 /// Reads tests/data/fixtures/<name> (identical copies of the shared fixtures).
 inline nlohmann::json fixture(std::string const& name) {

@@ -201,18 +201,6 @@ MigrationLedger run_and_check(MigrationPlan const& plan, Placement const& source
   return ledger;
 }
 
-template <class F>
-std::string collective_error_of(F&& f) {
-  std::string message;
-  try {
-    f();
-  } catch (CollectiveError const& e) {
-    message = e.what();
-  }
-  MPI_Barrier(MPI_COMM_WORLD);  // everybody is still in step
-  return message;
-}
-
 }  // namespace
 
 TEST_CASE("Migration plan: byte sizes that would overflow the totals are refused", "[placement][migration]") {
@@ -380,7 +368,7 @@ TEST_CASE("Migration over MPI: corrupted parameters are a collective error", "[p
   auto blobs = local_source_blobs(source, me);
   if (me == size - 1) blobs[0][17] ^= 0x40;
   std::vector<ParameterBlob> out;
-  std::string const pre = collective_error_of([&] { execute_migration(MPI_COMM_WORLD, plan, source, target, blobs, out); });
+  std::string const pre = kmoe_test::collective_error_of([&] { execute_migration(MPI_COMM_WORLD, plan, source, target, blobs, out); });
   INFO(pre);
   CHECK(pre.find("migration validation failed on rank " + std::to_string(size - 1)) != std::string::npos);
   CHECK(pre.find("source slot " + std::to_string(2 * (size - 1))) != std::string::npos);
@@ -389,7 +377,7 @@ TEST_CASE("Migration over MPI: corrupted parameters are a collective error", "[p
   MigrationOptions no_check;
   no_check.verify_sources = false;
   std::string const post =
-      collective_error_of([&] { execute_migration(MPI_COMM_WORLD, plan, source, target, blobs, out, no_check); });
+      kmoe_test::collective_error_of([&] { execute_migration(MPI_COMM_WORLD, plan, source, target, blobs, out, no_check); });
   INFO(post);
   int const receiver = size == 1 ? 0 : size - 2;
   CHECK(post.find("migration digest verification failed on rank " + std::to_string(receiver)) != std::string::npos);
@@ -399,20 +387,20 @@ TEST_CASE("Migration over MPI: corrupted parameters are a collective error", "[p
   auto short_blobs = local_source_blobs(source, me);
   if (me == 0) short_blobs[1].pop_back();
   std::string const sz =
-      collective_error_of([&] { execute_migration(MPI_COMM_WORLD, plan, source, target, short_blobs, out); });
+      kmoe_test::collective_error_of([&] { execute_migration(MPI_COMM_WORLD, plan, source, target, short_blobs, out); });
   CHECK(sz.find("source slot 1 (expert 1, rank 0) has 1036 bytes, the plan says 1037") != std::string::npos);
   auto digests = expert_digests(source.num_experts());
   digests[1] ^= 1;
   auto const wrong_target = target.with_expert_digests(digests, 1);
   auto const wrong_plan = plan_migration(source, wrong_target, expert_bytes(source.num_experts()));
-  std::string const td = collective_error_of(
+  std::string const td = kmoe_test::collective_error_of(
       [&] { execute_migration(MPI_COMM_WORLD, wrong_plan, source, wrong_target, local_source_blobs(source, me), out); });
   CHECK(td.find("target slot 0 (expert 1, rank 0) expects digest") != std::string::npos);
 
   // Ranks holding different plans never start moving payload.
   if (size > 1) {
     auto const other = plan_migration(source, target, me == 0 ? std::int64_t(5) : std::int64_t(6));
-    std::string const dp = collective_error_of(
+    std::string const dp = kmoe_test::collective_error_of(
         [&] { execute_migration(MPI_COMM_WORLD, other, source, target, local_source_blobs(source, me), out); });
     CHECK(dp.find("the ranks hold different migration plans") != std::string::npos);
   }

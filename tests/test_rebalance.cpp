@@ -45,18 +45,6 @@ PlacementSpec spec_of(LayerDeck const& deck) {
   return spec;
 }
 
-template <class F>
-std::string collective_error_of(F&& f) {
-  std::string message;
-  try {
-    f();
-  } catch (CollectiveError const& e) {
-    message = e.what();
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-  return message;
-}
-
 }  // namespace
 
 TEST_CASE("rebalancing moves every expert's weights to its new slots", "[rebalance]") {
@@ -130,18 +118,18 @@ TEST_CASE("rebalancing refuses bad input on every rank", "[rebalance][errors]") 
   auto const setup = Setup::make_run(deck, MPI_COMM_WORLD);
   auto const weights = Setup::routed_weights<float, MS>(exec, deck, setup, rank, MPI_COMM_WORLD);
   auto const digests = weights.digests();
-  std::string const short_load = collective_error_of([&] {
+  std::string const short_load = kmoe_test::collective_error_of([&] {
     rebalance_experts(MPI_COMM_WORLD, setup.placement, setup.node_of_rank, weights, std::vector<double>(5, 1.0), spec_of(deck));
   });
   CHECK(short_load.find("5 expert loads for 8 experts") != std::string::npos);
   PlacementSpec contiguous = spec_of(deck);
   contiguous.policy = PlacementPolicy::contiguous;
-  std::string const policy = collective_error_of(
+  std::string const policy = kmoe_test::collective_error_of(
       [&] { rebalance_experts(MPI_COMM_WORLD, setup.placement, setup.node_of_rank, weights, skewed_load(), contiguous); });
   CHECK(policy.find("needs an EPLB placement policy, not contiguous") != std::string::npos);
   // One rank passes the weights of other slots.
   Experts::ExpertWeights<float, MS> wrong("wrong", {0}, deck.model.hidden, deck.model.ffn);
-  std::string const slots = collective_error_of([&] {
+  std::string const slots = kmoe_test::collective_error_of([&] {
     rebalance_experts(MPI_COMM_WORLD, setup.placement, setup.node_of_rank, rank == size - 1 ? wrong : weights, skewed_load(),
                       spec_of(deck));
   });
