@@ -575,6 +575,31 @@ class LayerRun {
   Kokkos::Timer timer_;
 };
 
+/// Digest of trained weights: the router weight, the shared experts and
+/// every routed expert by logical id (its first copy), the same on every
+/// rank, and the same for any number of ranks that trained the same weights.
+std::string trained_weights_digest(MoELayer<float, Exec, MS>& layer, RowMatrix<float, MS> const& router, MPI_Comm comm) {
+  auto& routed = layer.routed_weights();
+  routed.refresh_digests();
+  auto const all = gather_slot_digests(comm, layer.placement(), routed.digests());
+  std::vector<std::uint64_t> parts;
+  auto const hr = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), router);
+  parts.push_back(digest_bytes(hr.data(), hr.size() * sizeof(float)));
+  if (auto* shared = layer.shared_weights()) {
+    shared->refresh_digests();
+    for (auto d : shared->digests()) parts.push_back(d);
+  }
+  auto const& placement = layer.placement();
+  std::vector<std::uint64_t> by_expert(static_cast<std::size_t>(placement.num_experts()), 0);
+  std::vector<bool> seen(by_expert.size(), false);
+  for (int s = 0; s < placement.num_slots(); ++s) {
+    auto const e = static_cast<std::size_t>(placement.slot(s).expert);
+    if (!seen[e]) by_expert[e] = all[static_cast<std::size_t>(s)], seen[e] = true;
+  }
+  parts.insert(parts.end(), by_expert.begin(), by_expert.end());
+  return digest_hex(digest_bytes(parts.data(), parts.size() * sizeof(std::uint64_t)));
+}
+
 /// [run] mode = "train": the student (the deck's layer) against a teacher.
 int train(LayerDeck const& deck, Options const& opt) {
   MPI_Comm const world = MPI_COMM_WORLD;
@@ -641,6 +666,7 @@ int train(LayerDeck const& deck, Options const& opt) {
       std::fflush(stdout);
     }
   }
+  std::string const weights_digest = trained_weights_digest(student, student_router, world);
   double const first_loss = loss.empty() ? 0.0 : loss.front(), last_loss = loss.empty() ? 0.0 : loss.back();
   double const ratio = first_loss > 0 ? last_loss / first_loss : 0.0;
   json report;
@@ -661,7 +687,8 @@ int train(LayerDeck const& deck, Options const& opt) {
                      {"balance_loss", balance},
                      {"forward_seconds", forward_s},
                      {"backward_seconds_mean", backward_s},
-                     {"loss_ratio", ratio}};
+                     {"loss_ratio", ratio},
+                     {"weights_digest", weights_digest}};
   collective(world, "writing the report", [&] {
     std::string const path = opt.report.empty() ? deck.run.report : opt.report;
     std::string const h5_path = opt.hdf5.empty() ? deck.run.hdf5 : opt.hdf5;
@@ -676,8 +703,9 @@ int train(LayerDeck const& deck, Options const& opt) {
     }
   }, watchdog);
   if (rank == 0) {
-    std::printf("TRAIN steps=%d ranks=%d optimizer=%s loss_first=%.6g loss_last=%.6g loss_ratio=%.4f backward_s=%.4g\n", steps, size,
-                tc.optimizer.c_str(), first_loss, last_loss, ratio, backward_s.count("total") ? backward_s.at("total") : 0.0);
+    std::printf("TRAIN steps=%d ranks=%d optimizer=%s loss_first=%.6g loss_last=%.6g loss_ratio=%.4f backward_s=%.4g weights_digest=%s\n",
+                steps, size, tc.optimizer.c_str(), first_loss, last_loss, ratio, backward_s.count("total") ? backward_s.at("total") : 0.0,
+                weights_digest.c_str());
     std::fflush(stdout);
   }
   return 0;
