@@ -95,3 +95,36 @@ function(kokkosmoe_add_test name)
       WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
   endforeach()
 endfunction()
+
+# kokkosmoe_add_same_digest_test(<name> FIRST <ranks> <command...> SECOND <ranks> <command...>
+#                                [KEY <key>] [LABELS <label>...] [FIXTURES_SETUP <f>] [FIXTURES_REQUIRED <f>])
+# Runs both commands under mpiexec (in the test binary directory) and passes
+# when they print the same <key>=<hex> (default key: output_digest), i.e. the
+# same rows or weights, bit for bit (tests/bindings/same_digest.cmake).
+function(kokkosmoe_add_same_digest_test name)
+  cmake_parse_arguments(ARG "" "KEY;FIXTURES_SETUP;FIXTURES_REQUIRED" "FIRST;SECOND;LABELS" ${ARGN})
+  if(NOT ARG_KEY)
+    set(ARG_KEY output_digest)
+  endif()
+  set(np 1)
+  foreach(which FIRST SECOND)
+    list(POP_FRONT ARG_${which} n)
+    if(n GREATER np)
+      set(np ${n})
+    endif()
+    set(cmd ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} ${KOKKOSMOE_MPIEXEC_PREFLAGS} ${ARG_${which}})
+    string(REPLACE ";" "|" cmd_${which} "${cmd}")
+  endforeach()
+  add_test(NAME ${name}
+           COMMAND ${CMAKE_COMMAND} "-DFIRST=${cmd_FIRST}" "-DSECOND=${cmd_SECOND}" -DKEY=${ARG_KEY}
+                   -P ${PROJECT_SOURCE_DIR}/tests/bindings/same_digest.cmake
+           WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+  set_tests_properties(${name} PROPERTIES PROCESSORS ${np} TIMEOUT 180 LABELS "${ARG_LABELS};mpi;np${np}"
+                       ENVIRONMENT "${KOKKOSMOE_TEST_ENVIRONMENT}" PASS_REGULAR_EXPRESSION "same ${ARG_KEY}")
+  if(ARG_FIXTURES_SETUP)
+    set_tests_properties(${name} PROPERTIES FIXTURES_SETUP "${ARG_FIXTURES_SETUP}")
+  endif()
+  if(ARG_FIXTURES_REQUIRED)
+    set_tests_properties(${name} PROPERTIES FIXTURES_REQUIRED "${ARG_FIXTURES_REQUIRED}")
+  endif()
+endfunction()
