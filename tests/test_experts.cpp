@@ -584,8 +584,9 @@ TEST_CASE("host decode kernel: the same bits as the tiled kernel, every ISA", "[
       int d, dff;
       std::vector<index_t> counts;
     };
+    // d or d_ff of 1024 take the skewed bf16 pair decode form (rows 2 KiB apart).
     for (Shape const& s : {Shape{37, 21, {1, 0, 2, 8, 5}}, Shape{64, 48, {3, 1, 7, 0, 4}}, Shape{33, 100, {8, 8, 1}},
-                           Shape{16, 16, {2, 9, 1}}}) {
+                           Shape{16, 16, {2, 9, 1}}, Shape{1024, 40, {1, 3, 8, 0, 2}}, Shape{40, 1024, {8, 1, 4}}}) {
       for (std::string const& isa : Experts::Impl::host_kernel_isas()) {
         auto run_pair = [&](auto wtag, auto xtag) {
           using WT = decltype(wtag);

@@ -282,37 +282,62 @@ void host_decode_tile(HostGroupedPhase<ExecutionSpace, In, W, Out, Phase> const&
   float* const acc = tail + p.tail_bytes() / sizeof(float);
   std::size_t const q = static_cast<std::size_t>(t.slot);
   long const ld = K;
+  // The block of VL weight rows read after (gate or up, c0), prefetched
+  // meanwhile (phase 1 alternates gate and up rows); null after the
+  // group's last whole block.
+  auto next_of = [&](bool up, int c0) -> typename phase_t::weight_value const* {
+    if (Phase == 1 && !up) return &p.w1(q, c0, 0);
+    int const c1 = c0 + VL;
+    return c1 + VL <= c_end ? &p.w0(q, c1, 0) : nullptr;
+  };
   if constexpr (phase_t::dp_types) {
     if (p.use_dp()) {
-      // The tile's bf16 rows as pairs xt2[q * rows + i] (an odd K's last
-      // element paired with 0), bf16 weights as pairs in place (the last
-      // columns copied).
-      auto* const xt2 = reinterpret_cast<std::uint32_t*>(xs);
+      // The tile's bf16 rows as pairs xt2[p * rows + i] (an odd K's last
+      // element paired with 0), or for the skewed form as
+      // xs2[p * rows + i] = pair p | pair (p - skew) << 32; bf16 weights as
+      // pairs in place (the last columns copied).
       int const Kp = (K + 1) / 2;
+      bool const skewed = host_decode_skewed(p.table, rows, K);
+      auto pair = [&](std::uint16_t const* src, int pp) -> std::uint32_t {
+        if (pp < 0 || pp >= Kp) return 0;
+        return 2 * pp + 1 < K ? (std::uint32_t(src[2 * pp + 1]) << 16 | src[2 * pp]) : std::uint32_t(src[2 * pp]);
+      };
+      auto* const xt2 = reinterpret_cast<std::uint32_t*>(xs);
+      auto* const xs2 = reinterpret_cast<std::uint64_t*>(xs);
       for (int i = 0; i < rows; ++i) {
         std::uint16_t const* src = host_weight_ptr(&p.in(t.row0 + i, 0));
-        for (int pp = 0; pp < Kp; ++pp)
-          xt2[static_cast<std::size_t>(pp) * rows + i] =
-              2 * pp + 1 < K ? (std::uint32_t(src[2 * pp + 1]) << 16 | src[2 * pp]) : std::uint32_t(src[2 * pp]);
+        if (skewed) {
+          for (int pp = 0; pp < Kp + host_decode_skew; ++pp)
+            xs2[static_cast<std::size_t>(pp) * rows + i] =
+                std::uint64_t(pair(src, pp)) | std::uint64_t(pair(src, pp - host_decode_skew)) << 32;
+        } else {
+          for (int pp = 0; pp < Kp; ++pp) xt2[static_cast<std::size_t>(pp) * rows + i] = pair(src, pp);
+        }
       }
       auto* const panel = reinterpret_cast<std::uint16_t*>(tail);
       float* const a = acc;
       float* const b = acc + static_cast<std::size_t>(rows) * VL;
-      auto block = [&](W const& w, int c0, int nc, float* o) {
-        if (nc == VL) {
-          p.table.decode_dp[rows](K, xt2, host_weight_ptr(&w(q, c0, 0)), ld, o);
-          return;
+      // Weight rows [c0, c0 + nc) of w into o (in place, or the valid ones
+      // copied with the last one repeated).
+      auto block = [&](W const& w, int c0, int nc, float* o, std::uint16_t const* next) {
+        std::uint16_t const* src = host_weight_ptr(&w(q, c0, 0));
+        if (nc < VL) {
+          for (int j = 0; j < VL; ++j) {
+            std::uint16_t const* row = host_weight_ptr(&w(q, c0 + Compat::min(j, nc - 1), 0));
+            for (int k = 0; k < K; ++k) panel[static_cast<std::size_t>(j) * K + k] = row[k];
+          }
+          src = panel;
+          next = nullptr;
         }
-        for (int j = 0; j < VL; ++j) {
-          std::uint16_t const* src = host_weight_ptr(&w(q, c0 + Compat::min(j, nc - 1), 0));
-          for (int k = 0; k < K; ++k) panel[static_cast<std::size_t>(j) * K + k] = src[k];
-        }
-        p.table.decode_dp[rows](K, xt2, panel, ld, o);
+        if (skewed)
+          p.table.decode_dp_skewed[rows](K, xs2, src, ld, o, next);
+        else
+          p.table.decode_dp[rows](K, xt2, src, ld, o, next);
       };
       for (int c0 = c_begin; c0 < c_end; c0 += VL) {
         int const nc = Compat::min(VL, c_end - c0);
-        block(p.w0, c0, nc, a);
-        if (Phase == 1) block(p.w1, c0, nc, b);
+        block(p.w0, c0, nc, a, host_weight_ptr(next_of(false, c0)));
+        if (Phase == 1) block(p.w1, c0, nc, b, host_weight_ptr(next_of(true, c0)));
         for (int i = 0; i < rows; ++i) {
           auto* dst = &p.out(t.row0 + i, c0);
           if (Phase == 1) {
@@ -332,12 +357,13 @@ void host_decode_tile(HostGroupedPhase<ExecutionSpace, In, W, Out, Phase> const&
   }
   // Weight rows [c0, c0 + VL) of w (in place, or the valid ones copied as
   // FP32 with the last one repeated) through the decode kernel into out.
-  auto block = [&](typename phase_t::weight_value const* w, int nc, float* out) {
+  auto block = [&](typename phase_t::weight_value const* w, int nc, float* out,
+                   typename phase_t::weight_value const* next) {
     if (nc == VL) {
       if constexpr (phase_t::bf16_weights)
-        p.table.decode_bf16[rows](K, xs, ld, host_weight_ptr(w), ld, out);
+        p.table.decode_bf16[rows](K, xs, ld, host_weight_ptr(w), ld, out, host_weight_ptr(next));
       else
-        p.table.decode_f32[rows](K, xs, ld, host_weight_ptr(w), ld, out);
+        p.table.decode_f32[rows](K, xs, ld, host_weight_ptr(w), ld, out, next);
       return;
     }
     for (int j = 0; j < VL; ++j) {
@@ -345,14 +371,14 @@ void host_decode_tile(HostGroupedPhase<ExecutionSpace, In, W, Out, Phase> const&
       float* dst = tail + static_cast<std::size_t>(j) * K;
       for (int k = 0; k < K; ++k) dst[k] = to_float(src[k]);
     }
-    p.table.decode_f32[rows](K, xs, ld, tail, ld, out);
+    p.table.decode_f32[rows](K, xs, ld, tail, ld, out, nullptr);
   };
   float* const a = acc;
   float* const b = acc + static_cast<std::size_t>(rows) * VL;
   for (int c0 = c_begin; c0 < c_end; c0 += VL) {
     int const nc = Compat::min(VL, c_end - c0);  // < VL only for the tensor's last columns
-    block(&p.w0(q, c0, 0), nc, a);
-    if (Phase == 1) block(&p.w1(q, c0, 0), nc, b);
+    block(&p.w0(q, c0, 0), nc, a, next_of(false, c0));
+    if (Phase == 1) block(&p.w1(q, c0, 0), nc, b, next_of(true, c0));
     for (int i = 0; i < rows; ++i) {
       auto* dst = &p.out(t.row0 + i, c0);
       if (Phase == 1) {

@@ -120,8 +120,23 @@ static inline vfloat load_row(std::uint16_t const* p) {
   return v;
 }
 
+// Prefetches into L2 the share of step s (of steps) of the next block: VL
+// weight rows of ldw elements from next, one contiguous range.
+template <class W>
+static inline void prefetch_next_block(W const* next, long ldw, int s, int steps) {
+  if (next == nullptr || steps <= 0) return;
+  long const lines = (VL * ldw * static_cast<long>(sizeof(W)) + 63) / 64;
+  long const per = (lines + steps - 1) / steps;
+  char const* base = reinterpret_cast<char const*>(next);
+  for (long l = s * per, e = l + per < lines ? l + per : lines; l < e; ++l) __builtin_prefetch(base + l * 64, 0, 2);
+}
+
 template <int R, class W>
-void decode(int K, float const* __restrict x, long ldx, W const* __restrict w, long ldw, float* __restrict out) {
+void decode(int K, float const* __restrict x, long ldx, W const* __restrict w, long ldw, float* __restrict out,
+            W const* next) {
+  // Whole blocks of the k loops below, over which next is prefetched.
+  int const steps = sizeof(W) == 2 ? K / (2 * VL) + (K % (2 * VL)) / VL : K / VL;
+  int s = 0;
   vfloat acc[R];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i] = vfloat{};
@@ -132,13 +147,10 @@ void decode(int K, float const* __restrict x, long ldx, W const* __restrict w, l
     // into its two floats by a shift and a mask; k stays in order.
     typedef std::uint32_t vu32 __attribute__((vector_size(VL * 4)));
     for (; k0 + 2 * VL <= K; k0 += 2 * VL) {
+      prefetch_next_block(next, ldw, s++, steps);
       vfloat t[VL];
 #pragma GCC unroll 16
-      for (int j = 0; j < VL; ++j) {
-        W const* row = w + j * ldw + k0;
-        __builtin_prefetch(row + 16 * VL);
-        std::memcpy(&t[j], row, sizeof(vfloat));
-      }
+      for (int j = 0; j < VL; ++j) std::memcpy(&t[j], w + j * ldw + k0, sizeof(vfloat));
       transpose_stage<VL / 2>(t);
 #pragma GCC unroll 16
       for (int pp = 0; pp < VL; ++pp) {
@@ -157,13 +169,10 @@ void decode(int K, float const* __restrict x, long ldx, W const* __restrict w, l
     }
   }
   for (; k0 + VL <= K; k0 += VL) {
+    prefetch_next_block(next, ldw, s++, steps);
     vfloat t[VL];
 #pragma GCC unroll 16
-    for (int j = 0; j < VL; ++j) {
-      W const* row = w + j * ldw + k0;
-      __builtin_prefetch(row + 8 * VL);
-      t[j] = load_row(row);
-    }
+    for (int j = 0; j < VL; ++j) t[j] = load_row(w + j * ldw + k0);
     transpose_stage<VL / 2>(t);
 #pragma GCC unroll 16
     for (int kk = 0; kk < VL; ++kk)
@@ -184,7 +193,7 @@ void decode(int K, float const* __restrict x, long ldx, W const* __restrict w, l
 #else
 
 template <int R, class W>
-void decode(int K, float const* x, long ldx, W const* w, long ldw, float* out) {
+void decode(int K, float const* x, long ldx, W const* w, long ldw, float* out, W const*) {
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < VL; ++j) out[i * VL + j] = 0.0f;
   for (int k = 0; k < K; ++k)

@@ -42,8 +42,14 @@ using HostMicroKernelF32 = void (*)(int K, float const* xt, float const* w0, flo
 /// weight rows w_j = w + j * ldw (read along k, float or bf16) and R FP32
 /// rows x_i = x + i * ldx; each output accumulated in increasing k like the
 /// micro-kernels (same bits), for segments of few rows.
-using HostDecodeKernelF32 = void (*)(int K, float const* x, long ldx, float const* w, long ldw, float* out);
-using HostDecodeKernelBF16 = void (*)(int K, float const* x, long ldx, std::uint16_t const* w, long ldw, float* out);
+/// `next` is the first of the vector_length weight rows (ldw apart) the
+/// caller reads after these, or null: the kernel prefetches them into L2
+/// across its k steps, since a block's rows are short streams that the
+/// hardware prefetchers pick up late.
+using HostDecodeKernelF32 = void (*)(int K, float const* x, long ldx, float const* w, long ldw, float* out,
+                                     float const* next);
+using HostDecodeKernelBF16 = void (*)(int K, float const* x, long ldx, std::uint16_t const* w, long ldw, float* out,
+                                      std::uint16_t const* next);
 
 /// \brief bf16 rows times bf16 weights with bf16 pair dot products
 /// (AVX512-BF16 vdpbf16ps), FP32 accumulation: every output adds, pair by
@@ -54,7 +60,22 @@ using HostDecodeKernelBF16 = void (*)(int K, float const* x, long ldx, std::uint
 /// same bits for a row.
 using HostMicroKernelDP = void (*)(int K, std::uint32_t const* xt2, std::uint16_t const* w0, std::uint16_t const* w1,
                                    long ldw, float* acc);
-using HostDecodeKernelDP = void (*)(int K, std::uint32_t const* xt2, std::uint16_t const* w, long ldw, float* out);
+/// The decode forms take `next` as HostDecodeKernelF32 does.
+using HostDecodeKernelDP = void (*)(int K, std::uint32_t const* xt2, std::uint16_t const* w, long ldw, float* out,
+                                    std::uint16_t const* next);
+/// \brief The decode form for weight rows whose stride maps them onto the
+/// same few L1 sets (a row of 2048 bf16 is 4 KiB): the upper half of the
+/// weight rows runs host_decode_skew pairs behind the lower half, so that a
+/// step's loads spread over two sets. Lane 2m holds row m and lane 2m + 1
+/// row 8 + m; the rows come as xs2[p * R + i] = pair p | pair (p - skew) << 32
+/// for p in [0, K / 2 + skew), pairs outside [0, K / 2) zero. K must be a
+/// multiple of 32. In the first and last steps the lanes without a pair are
+/// masked off, so every output adds exactly its pairs in increasing k and
+/// the bits are those of the other forms.
+using HostDecodeKernelDPSkewed = void (*)(int K, std::uint64_t const* xs2, std::uint16_t const* w, long ldw, float* out,
+                                          std::uint16_t const* next);
+/// \brief Pairs by which the skewed decode form's upper rows trail.
+constexpr int host_decode_skew = 32;
 
 /// \brief The micro-kernels of one instruction set.
 struct HostKernelTable {
@@ -66,10 +87,20 @@ struct HostKernelTable {
   HostDecodeKernelF32 decode_f32[host_decode_max_rows + 1] = {};    ///< decode_f32[R], R in [1, host_decode_max_rows]
   HostDecodeKernelBF16 decode_bf16[host_decode_max_rows + 1] = {};  ///< decode_bf16[R]
   /// bf16 x bf16 dot-product kernels (null where the CPU lacks AVX512-BF16):
-  /// dp[mv] with nrw[mv] weight rows, decode_dp[R].
+  /// dp[mv] with nrw[mv] weight rows, decode_dp[R] and decode_dp_skewed[R].
   HostMicroKernelDP dp[host_max_vectors + 1] = {};
   HostDecodeKernelDP decode_dp[host_decode_max_rows + 1] = {};
+  HostDecodeKernelDPSkewed decode_dp_skewed[host_decode_max_rows + 1] = {};
 };
+
+/// \brief Whether the decode of `rows` bf16 rows against weight rows of K
+/// bf16 takes the skewed form: where the table has it, K is a multiple of 32
+/// and 16 rows of 2K bytes fall on at most two offsets within 4 KiB (eight
+/// or more rows per L1 set: K a multiple of 1024), which costs the plain
+/// form up to a third of its bandwidth; elsewhere the plain form is as fast.
+inline bool host_decode_skewed(HostKernelTable const& table, int rows, int K) {
+  return rows >= 1 && rows <= host_decode_max_rows && table.decode_dp_skewed[rows] != nullptr && K % 1024 == 0;
+}
 
 /// \brief Fills a table with one instruction set's kernels (defined in the
 /// unit compiled for it; absent from builds without that unit).

@@ -61,25 +61,34 @@ void micro_dp(int K, std::uint32_t const* __restrict xt2, std::uint16_t const* _
     for (int m = 0; m < MV; ++m) _mm512_storeu_ps(acc + j * R + m * 16, c[j][m]);
 }
 
+// Prefetches into L2 the share of step s (of steps) of the next block: 16
+// weight rows of ldw bf16 from next, one contiguous range.
+static inline void prefetch_next_block(std::uint16_t const* next, long ldw, int s, int steps) {
+  if (next == nullptr) return;
+  long const lines = (16 * ldw * 2 + 63) / 64;
+  long const per = (lines + steps - 1) / steps;
+  char const* base = reinterpret_cast<char const*>(next);
+  for (long l = s * per, e = l + per < lines ? l + per : lines; l < e; ++l) _mm_prefetch(base + l * 64, _MM_HINT_T1);
+}
+
 // out[i * 16 + j] over the 16 weight rows w + j * ldw and the R rows given
 // as pairs xt2[p * R + i]: blocks of 16 rows x 16 pairs (one cache line per
 // row) are transposed as 32-bit pairs, so lane j of block vector pp holds
 // row j's pair p0 + pp, met by row i's pair broadcast.
 template <int R>
-void decode_dp(int K, std::uint32_t const* __restrict xt2, std::uint16_t const* __restrict w, long ldw, float* __restrict out) {
+void decode_dp(int K, std::uint32_t const* __restrict xt2, std::uint16_t const* __restrict w, long ldw, float* __restrict out,
+               std::uint16_t const* next) {
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   int const full = K / 2;  // whole pairs
-  int const blocked = full / 16 * 16;
-  for (int p0 = 0; p0 < blocked; p0 += 16) {
+  int const steps = full / 16;
+  for (int s = 0; s < steps; ++s) {
+    int const p0 = 16 * s;
+    prefetch_next_block(next, ldw, s, steps);
     vfloat t[16];
 #pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) {
-      std::uint16_t const* row = w + j * ldw + 2 * p0;
-      __builtin_prefetch(row + 256);
-      std::memcpy(&t[j], row, sizeof(vfloat));
-    }
+    for (int j = 0; j < 16; ++j) std::memcpy(&t[j], w + j * ldw + 2 * p0, sizeof(vfloat));
     transpose_stage<8>(t);
     std::uint32_t const* xp = xt2 + static_cast<long>(p0) * R;
 #pragma GCC unroll 16
@@ -90,7 +99,7 @@ void decode_dp(int K, std::uint32_t const* __restrict xt2, std::uint16_t const* 
     }
   }
   int const Kp = (K + 1) / 2;
-  for (int p = blocked; p < Kp; ++p) {
+  for (int p = 16 * steps; p < Kp; ++p) {
     bool const last_half = p == full;  // an odd K's last element, paired with 0
     alignas(64) std::uint32_t col[16];
     for (int j = 0; j < 16; ++j) {
@@ -105,6 +114,55 @@ void decode_dp(int K, std::uint32_t const* __restrict xt2, std::uint16_t const* 
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * 16, acc[i]);
 }
 
+// The skewed form (see HostDecodeKernelDPSkewed): lane 2m is row m at pair
+// p, lane 2m + 1 row 8 + m at pair p - S; a step's two groups of eight rows
+// start 2 cache lines apart. Lanes without a pair (the upper rows in the
+// first S / 16 steps, the lower ones in the last) are masked off.
+template <int R>
+void decode_dp_skewed(int K, std::uint64_t const* __restrict xs2, std::uint16_t const* __restrict w, long ldw,
+                      float* __restrict out, std::uint16_t const* next) {
+  constexpr int S = host_decode_skew;
+  static_assert(S % 16 == 0, "the skew is whole steps");
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  int const Kp = K / 2;  // a multiple of 16
+  int const steps = (Kp + S) / 16;
+  for (int s = 0; s < steps; ++s) {
+    int const p0 = 16 * s;
+    prefetch_next_block(next, ldw, s, steps);
+    bool const lower = p0 < Kp, upper = p0 >= S;
+    __mmask16 const lanes = lower ? (upper ? 0xFFFF : 0x5555) : 0xAAAA;
+    vfloat t[16];
+#pragma GCC unroll 8
+    for (int m = 0; m < 8; ++m) {
+      t[2 * m] = vfloat{};
+      t[2 * m + 1] = vfloat{};
+      if (lower) std::memcpy(&t[2 * m], w + m * ldw + 2 * p0, sizeof(vfloat));
+      if (upper) std::memcpy(&t[2 * m + 1], w + (8 + m) * ldw + 2 * (p0 - S), sizeof(vfloat));
+    }
+    transpose_stage<8>(t);
+    std::uint64_t const* xp = xs2 + static_cast<long>(p0) * R;
+#pragma GCC unroll 16
+    for (int pp = 0; pp < 16; ++pp) {
+      __m512i const wv = reinterpret_cast<__m512i const&>(t[pp]);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        __m512i const xv = _mm512_set1_epi64(static_cast<long long>(xp[pp * R + i]));
+        acc[i] = _mm512_mask_dpbf16_ps(acc[i], lanes, reinterpret_cast<__m512bh const&>(wv),
+                                       reinterpret_cast<__m512bh const&>(xv));
+      }
+    }
+  }
+  // Lanes (2m, 2m + 1) are columns (m, 8 + m).
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    vfloat const v = reinterpret_cast<vfloat const&>(acc[i]);
+    vfloat const c = __builtin_shufflevector(v, v, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    std::memcpy(out + i * 16, &c, sizeof c);
+  }
+}
+
 template <int MV, int NRW>
 void set_dp(HostKernelTable& t) {
   static_assert(NRW % 2 == 0, "weight rows come in two groups");
@@ -113,6 +171,7 @@ void set_dp(HostKernelTable& t) {
 template <std::size_t... R>
 void set_decode_dp(HostKernelTable& t, std::index_sequence<R...>) {
   ((t.decode_dp[R + 1] = &decode_dp<static_cast<int>(R + 1)>), ...);
+  ((t.decode_dp_skewed[R + 1] = &decode_dp_skewed<static_cast<int>(R + 1)>), ...);
 }
 
 }  // namespace avx512bf16
