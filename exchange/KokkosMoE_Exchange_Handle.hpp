@@ -72,6 +72,10 @@ struct DispatchHandle {
   std::vector<index_t> expert_offsets;  ///< [L + 1]
   Kokkos::View<index_t*, MemorySpace> expert_offsets_d;  ///< device copy of expert_offsets
   RowMatrix<T, MemorySpace> expert_rows;                 ///< [rows, d] decoded expert inputs
+  /// Pooled-wave: per expert row, its source peer slot << 32 | the route's
+  /// position among that source's routes to this rank. Sorting a slot's rows
+  /// of all waves by it gives the flat exchange's order (empty otherwise).
+  Kokkos::View<std::int64_t*, MemorySpace> arrival_key;
 
   /// EP-order receive split: rows from each source peer slot (all waves of a
   /// pooled-wave step together are this split minus drops). Flat and

@@ -332,9 +332,13 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     index_t const used = offsets[static_cast<std::size_t>(L)];
     st.compact_of = index_view("KokkosMoE::PooledWave::compact_of", n_pool);
     st.source_of = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::source_of"), used);
+    h.arrival_key = Kokkos::View<std::int64_t*, MS>(
+        Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::arrival_key"), used);
     Kokkos::deep_copy(exec, st.compact_of, -1);
     auto compact_of = st.compact_of;
     auto source_of = st.source_of;
+    auto arrival_key = h.arrival_key;
+    index_t const W = shape_.waves, wave = h.wave;
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::compact", Kokkos::RangePolicy<Exec>(exec, 0, n_pool), KOKKOS_LAMBDA(index_t p) {
           index_t const x = by_expert(p);
@@ -345,6 +349,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           index_t const c = offsets_d(q) + i;
           compact_of(x) = c;
           source_of(c) = (x / Rs) * pool + H + (x % Rs);
+          // Pool row j of a source holds its route j * W + wave to this rank.
+          arrival_key(c) = static_cast<std::int64_t>(x / Rs) << 32 | static_cast<std::int64_t>((x % Rs) * W + wave);
         });
     // This rank's own slots (ids beyond them never arrive here).
     int const L_me = this->placement_.num_slots_of_rank(this->me_);

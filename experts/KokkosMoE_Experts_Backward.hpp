@@ -102,8 +102,8 @@ namespace Impl {
 KOKKOS_INLINE_FUNCTION float sigmoid(float g) { return 1.0f / (1.0f + Compat::exp(-g)); }
 
 /// H = silu(G) * U for all rows.
-template <class Exec, class M>
-void swiglu_rows(Exec const& exec, M const& G, M const& U, M const& H) {
+template <class Exec, class CM, class M>
+void swiglu_rows(Exec const& exec, CM const& G, CM const& U, M const& H) {
   std::size_t const cols = G.extent(1), total = G.extent(0) * cols;
   float const* g = G.data();
   float const* u = U.data();
@@ -115,20 +115,23 @@ void swiglu_rows(Exec const& exec, M const& G, M const& U, M const& H) {
                        });
 }
 
-/// dG = dH * U * silu'(G) (written over G), dU = dH * silu(G) (written over U).
-template <class Exec, class M>
-void swiglu_backward_rows(Exec const& exec, M const& dH, M const& G, M const& U) {
+/// dG = dH * U * silu'(G) written over dH, dU = dH * silu(G) written into
+/// dU (the H buffer, no longer needed): G and U, the forward's saved
+/// activations, are only read.
+template <class Exec, class CM, class M>
+void swiglu_backward_rows(Exec const& exec, CM const& G, CM const& U, M const& dH_dG, M const& dU) {
   std::size_t const total = G.extent(0) * G.extent(1);
-  float const* dh = dH.data();
-  float* g = G.data();
-  float* u = U.data();
+  float const* g = G.data();
+  float const* u = U.data();
+  float* dh = dH_dG.data();
+  float* du = dU.data();
   Kokkos::parallel_for("KokkosMoE::Experts::backward[swiglu']",
                        Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, total), KOKKOS_LAMBDA(std::size_t i) {
                          float const x = g[i], s = sigmoid(x);
                          float const silu = x * s, dsilu = s * (1.0f + x * (1.0f - s));
                          float const dhv = dh[i];
-                         g[i] = dhv * u[i] * dsilu;
-                         u[i] = dhv * silu;
+                         dh[i] = dhv * u[i] * dsilu;
+                         du[i] = dhv * silu;
                        });
 }
 
@@ -212,64 +215,77 @@ class Backward {
     ledger.saved_bytes = recompute ? 0 : static_cast<index_t>(2 * sizeof(float)) * n * dff;
     ledger.matmul_flops = (recompute ? 16 : 12) * n * static_cast<index_t>(d) * dff;
     Compat::ScopedRegion region("KokkosMoE::Experts::backward");
+    // Weight gradients: a slot with rows gets one GEMM per tensor, with
+    // beta 0 unless accumulating (BLAS zeroes C right before it adds, while
+    // C is still in cache, instead of a separate pass over every gradient);
+    // a slot without rows is zeroed here.
+    float const beta = options_.accumulate ? 1.0f : 0.0f;
     if (!options_.accumulate) {
-      grads.zero(exec);
-      ledger.kernel_launches += 3;
+      for (int q = 0; q < L; ++q) {
+        auto const r = segment(offs, q);
+        if (r.first != r.second) continue;
+        Kokkos::deep_copy(exec, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL), 0.0f);
+        Kokkos::deep_copy(exec, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL), 0.0f);
+        Kokkos::deep_copy(exec, Kokkos::subview(grads.down, q, Kokkos::ALL, Kokkos::ALL), 0.0f);
+        ledger.kernel_launches += 3;
+      }
     }
     GemmPath ran = GemmPath::generic;
     if (n > 0) {
       auto Xf = as_float(exec, X, "x");
       auto dYf = as_float(exec, dY, "dy");
       auto dXf = float_target(exec, dX, n, d);
-      // G and U: copies of the saved ones (overwritten by dG, dU below) or recomputed.
-      auto G = ws_.template matrix<float>(exec, "g", n, dff);
-      auto U = ws_.template matrix<float>(exec, "u", n, dff);
-      auto H = ws_.template matrix<float>(exec, "h", n, dff);
-      auto dH = ws_.template matrix<float>(exec, "dh", n, dff);
+      // G and U: the saved ones, read in place, or recomputed.
+      const_float_matrix G, U;
       Weights32 W;
       if (recompute) {
+        auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
+        auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
         for (int q = 0; q < L; ++q) {
           auto const r = segment(offs, q);
           if (r.first == r.second) continue;
           slot_weights(exec, w, q, W);
           auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-          gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(G, r, Kokkos::ALL), options_.gemm_path);
-          gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(U, r, Kokkos::ALL), options_.gemm_path);
+          gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(Gr, r, Kokkos::ALL), options_.gemm_path);
+          gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(Ur, r, Kokkos::ALL), options_.gemm_path);
           ledger.kernel_launches += 2;
         }
+        G = Gr;
+        U = Ur;
       } else {
-        Kokkos::deep_copy(exec, G, saved.gate);
-        Kokkos::deep_copy(exec, U, saved.up);
-        ledger.kernel_launches += 2;
+        G = const_float_matrix(saved.gate.data(), n, static_cast<std::size_t>(dff));
+        U = const_float_matrix(saved.up.data(), n, static_cast<std::size_t>(dff));
       }
+      auto H = ws_.template matrix<float>(exec, "h", n, dff);    // H, then dU
+      auto dH = ws_.template matrix<float>(exec, "dh", n, dff);  // dH, then dG
       Impl::swiglu_rows(exec, G, U, H);
       ledger.kernel_launches += 1;
-      // dH = dY W2 and dW2 += dY^T H, per segment.
+      // dH = dY W2 and dW2 = dY^T H, per segment.
       for (int q = 0; q < L; ++q) {
         auto const r = segment(offs, q);
         if (r.first == r.second) continue;
         slot_weights(exec, w, q, W);
         auto dYq = Kokkos::subview(dYf, r, Kokkos::ALL);
         ran = gemm(exec, 'N', 'N', 1.0f, dYq, W.down, 0.0f, Kokkos::subview(dH, r, Kokkos::ALL), options_.gemm_path);
-        gemm(exec, 'T', 'N', 1.0f, dYq, Kokkos::subview(H, r, Kokkos::ALL), 1.0f,
+        gemm(exec, 'T', 'N', 1.0f, dYq, Kokkos::subview(H, r, Kokkos::ALL), beta,
              Kokkos::subview(grads.down, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
         ledger.kernel_launches += 2;
       }
-      Impl::swiglu_backward_rows(exec, dH, G, U);  // G <- dG, U <- dU
+      Impl::swiglu_backward_rows(exec, G, U, dH, H);  // dH <- dG, H <- dU
       ledger.kernel_launches += 1;
-      // dX = dG W1 + dU W3, dW1 += dG^T X, dW3 += dU^T X, per segment.
+      // dX = dG W1 + dU W3, dW1 = dG^T X, dW3 = dU^T X, per segment.
       for (int q = 0; q < L; ++q) {
         auto const r = segment(offs, q);
         if (r.first == r.second) continue;
         slot_weights(exec, w, q, W);
-        auto dGq = Kokkos::subview(G, r, Kokkos::ALL);
-        auto dUq = Kokkos::subview(U, r, Kokkos::ALL);
+        auto dGq = Kokkos::subview(dH, r, Kokkos::ALL);
+        auto dUq = Kokkos::subview(H, r, Kokkos::ALL);
         auto dXq = Kokkos::subview(dXf, r, Kokkos::ALL);
         auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
         gemm(exec, 'N', 'N', 1.0f, dGq, W.gate, 0.0f, dXq, options_.gemm_path);
         gemm(exec, 'N', 'N', 1.0f, dUq, W.up, 1.0f, dXq, options_.gemm_path);
-        gemm(exec, 'T', 'N', 1.0f, dGq, Xq, 1.0f, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
-        gemm(exec, 'T', 'N', 1.0f, dUq, Xq, 1.0f, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+        gemm(exec, 'T', 'N', 1.0f, dGq, Xq, beta, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+        gemm(exec, 'T', 'N', 1.0f, dUq, Xq, beta, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
         ledger.kernel_launches += 4;
       }
       finish_target(exec, dXf, dX);

@@ -12,6 +12,7 @@
 #include <KokkosMoE_Experts_Weights.hpp>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -190,6 +191,17 @@ TEST_CASE("saved and recomputed activations give the same bits; accumulation add
   double worst = 0;
   for (std::size_t i = 0; i < once.size(); ++i) worst = std::max(worst, std::abs(twice[i] - 2 * once[i]) / (std::abs(once[i]) + 1e-3));
   CHECK(worst <= 1e-5);
+  // Without accumulate every gradient is overwritten, the empty slot's too:
+  // stale NaN gradients leave no trace and give the same bits as fresh ones.
+  ExpertGradients<Mem> g3(w);
+  float const nan = std::numeric_limits<float>::quiet_NaN();
+  Kokkos::deep_copy(g3.gate, nan);
+  Kokkos::deep_copy(g3.up, nan);
+  Kokkos::deep_copy(g3.down, nan);
+  bw.backward(Exec(), w, X, offsets, dY, dX2, g3, saved);
+  CHECK(host_doubles(g3.gate) == host_doubles(g1.gate));
+  CHECK(host_doubles(g3.up) == host_doubles(g1.up));
+  CHECK(host_doubles(g3.down) == host_doubles(g1.down));
 }
 
 TEST_CASE("expert backward refuses mismatched shapes before running", "[experts][backward]") {

@@ -32,6 +32,7 @@
 #include <KokkosMoE_Schedule.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
 #include <KokkosMoE_Workspace.hpp>
+#include <impl/KokkosMoE_WaveMerge.hpp>
 
 #include <map>
 #include <memory>
@@ -245,9 +246,11 @@ class MoELayer {
   /// summed per token. The gate gradients go through the router to the
   /// logits (with the balance loss when asked), to dX and the router weight.
   /// The forward's expert inputs and outputs are recomputed (one more
-  /// dispatch, experts and combine), not kept. Every exchange algorithm
-  /// (pooled-wave's waves one by one; its drops carry no gradient); the
-  /// serial schedule's single chunk.
+  /// dispatch, experts and combine), not kept. Every exchange algorithm;
+  /// pooled-wave's waves are all dispatched and their rows merged into the
+  /// flat exchange's order for one expert backward (its drops carry no
+  /// gradient), so that without drops every algorithm gives the flat
+  /// exchange's bits. The serial schedule's single chunk.
   BackwardRecord backward(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RowMatrix<T, MemorySpace> const& dOut,
                           RowMatrix<T, MemorySpace> const& dX, LayerGradients<MemorySpace>& grads,
                           LayerBackwardOptions const& options = {}) {
@@ -283,20 +286,41 @@ class MoELayer {
       plan = make_dispatch_plan(exec, routes, placement_, comms_->ep().peer_order());
     }
     index_t const R = routes.size();
-    // Recompute, wave by wave: the expert inputs (kept in the handles until
-    // the end), outputs and activations, and the per-route outputs Z.
+    // Recompute: every wave dispatched (its handle kept until the end), the
+    // experts run once on the waves' rows merged into the flat exchange's
+    // order (one wave: its rows as they are), keeping their activations, and
+    // every wave's outputs combined into the per-route outputs.
     int const W = x.waves();
-    std::vector<Experts::SavedActivations<MemorySpace>> saved(static_cast<std::size_t>(W));
+    bool const merged = W > 1;
+    Experts::SavedActivations<MemorySpace> saved;
     std::vector<Exchange::DispatchHandle<T, MemorySpace>> h1(static_cast<std::size_t>(W));
+    Impl::WaveMerge<MemorySpace> merge;
+    RowMatrix<T, MemorySpace> expert_in;  // the experts' input rows (merged)
+    Kokkos::View<index_t*, MemorySpace> expert_offsets;
     auto returned = payload_buffer(work_, exec, "bwd_returned", config_.exchange.return_payload, d, plan.rows());
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "recompute");
+      for (int w = 0; w < W; ++w) h1[static_cast<std::size_t>(w)] = x.dispatch(exec, routes, plan, hidden, w);
+      if (merged) {
+        merge = Impl::merge_waves(h1);
+        expert_in = work_.template matrix<T>(exec, "bwd_expert_in", merge.rows(), static_cast<std::size_t>(d));
+        for (int w = 0; w < W; ++w) Impl::merge_rows(exec, merge, w, h1[static_cast<std::size_t>(w)].expert_rows, expert_in);
+        expert_offsets = merge.offsets_d;
+      } else {
+        expert_in = h1[0].expert_rows;
+        expert_offsets = h1[0].expert_offsets_d;
+      }
+      auto z = work_.template matrix<T>(exec, "bwd_z", static_cast<index_t>(expert_in.extent(0)), static_cast<std::size_t>(d));
+      backward_.forward_keep(exec, routed_, expert_in, expert_offsets, z, saved);
       for (int w = 0; w < W; ++w) {
         auto& h = h1[static_cast<std::size_t>(w)];
-        h = x.dispatch(exec, routes, plan, hidden, w);
-        auto z = work_.template matrix<T>(exec, "bwd_z", h.rows(), static_cast<std::size_t>(d));
-        backward_.forward_keep(exec, routed_, h.expert_rows, h.expert_offsets_d, z, saved[static_cast<std::size_t>(w)]);
-        x.combine(exec, h, z, returned, "");
+        if (merged) {
+          auto zw = work_.template matrix<T>(exec, "bwd_z_wave", h.rows(), static_cast<std::size_t>(d));
+          Impl::split_rows(exec, merge, w, z, zw);
+          x.combine(exec, h, zw, returned, "");
+        } else {
+          x.combine(exec, h, z, returned, "");
+        }
       }
     }
     // Combine backward: gate gradients and the per-route output gradients,
@@ -337,27 +361,50 @@ class MoELayer {
     }
     exchange_type& xr = gradient_exchange(config_.exchange.algorithm);
     auto returned_grad = payload_buffer(work_, exec, "bwd_returned_grad", config_.exchange.return_payload, d, plan.rows());
-    grads.routed.zero(exec);
-    for (int w = 0; w < W; ++w) {
-      auto& h = h1[static_cast<std::size_t>(w)];
-      Exchange::DispatchHandle<T, MemorySpace> h2;
-      {
-        Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "dispatch");
-        h2 = xr.dispatch(exec, per_route, plan, route_grad, w);
+    // Every wave's gradient rows dispatched (in the forward's layout: same
+    // slots, offsets and arrival order), merged like the forward's rows; one
+    // expert backward; every wave's input gradients combined back.
+    std::vector<Exchange::DispatchHandle<T, MemorySpace>> h2(static_cast<std::size_t>(W));
+    {
+      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "dispatch");
+      for (int w = 0; w < W; ++w) h2[static_cast<std::size_t>(w)] = xr.dispatch(exec, per_route, plan, route_grad, w);
+    }
+    std::string problem;
+    for (int w = 0; w < W && problem.empty(); ++w) {
+      auto const& a = h1[static_cast<std::size_t>(w)];
+      auto const& b = h2[static_cast<std::size_t>(w)];
+      bool same = a.expert_offsets == b.expert_offsets && a.arrival_key.extent(0) == b.arrival_key.extent(0);
+      if (same && merged) {
+        auto const ka = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), a.arrival_key);
+        auto const kb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b.arrival_key);
+        for (std::size_t i = 0; i < ka.extent(0) && same; ++i) same = ka(i) == kb(i);
       }
-      std::string problem;
-      if (h2.expert_offsets != h.expert_offsets)
-        problem = "wave " + std::to_string(w) + ": the gradient rows arrived in another expert-major order than the forward's";
-      agree(ep, problem, "MoE layer backward", watchdog);
-      auto dxe = work_.template matrix<T>(exec, "bwd_dxe", h2.rows(), static_cast<std::size_t>(d));
-      {
-        Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "experts");
-        rec.experts = backward_acc_.backward(exec, routed_, h.expert_rows, h.expert_offsets_d, h2.expert_rows, dxe, grads.routed,
-                                             saved[static_cast<std::size_t>(w)]);
-      }
+      if (!same) problem = "wave " + std::to_string(w) + ": the gradient rows arrived in another expert-major order than the forward's";
+    }
+    agree(ep, problem, "MoE layer backward", watchdog);
+    RowMatrix<T, MemorySpace> dy = h2[0].expert_rows;
+    if (merged) {
+      dy = work_.template matrix<T>(exec, "bwd_expert_dy", merge.rows(), static_cast<std::size_t>(d));
+      for (int w = 0; w < W; ++w) Impl::merge_rows(exec, merge, w, h2[static_cast<std::size_t>(w)].expert_rows, dy);
+    }
+    auto dxe = work_.template matrix<T>(exec, "bwd_dxe", static_cast<index_t>(expert_in.extent(0)), static_cast<std::size_t>(d));
+    {
+      Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "experts");
+      rec.experts = backward_.backward(exec, routed_, expert_in, expert_offsets, dy, dxe, grads.routed, saved);
+    }
+    {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine_exchange");
-      xr.combine(exec, h2, dxe, returned_grad, "");
-      h = {};
+      for (int w = 0; w < W; ++w) {
+        auto& h = h2[static_cast<std::size_t>(w)];
+        if (merged) {
+          auto dxw = work_.template matrix<T>(exec, "bwd_dxe_wave", h.rows(), static_cast<std::size_t>(d));
+          Impl::split_rows(exec, merge, w, dxe, dxw);
+          xr.combine(exec, h, dxw, returned_grad, "");
+        } else {
+          xr.combine(exec, h, dxe, returned_grad, "");
+        }
+        h1[static_cast<std::size_t>(w)] = {};
+      }
     }
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "dispatch_backward");
@@ -794,7 +841,6 @@ class MoELayer {
   Experts::Runner<ExecutionSpace, MemorySpace> runner_;
   Experts::Runner<ExecutionSpace, MemorySpace> shared_runner_;
   Experts::Backward<ExecutionSpace, MemorySpace> backward_;
-  Experts::Backward<ExecutionSpace, MemorySpace> backward_acc_{Experts::BackwardOptions{GemmPath::automatic, true}};
   std::map<Exchange::Algorithm, std::unique_ptr<exchange_type>> gradient_exchanges_;
   DevicePlacement<MemorySpace> device_placement_;
   ReplicaChoice<MemorySpace> choice_;

@@ -1,0 +1,113 @@
+#ifndef KOKKOSMOE_LAYER_WAVEMERGE_HPP
+#define KOKKOSMOE_LAYER_WAVEMERGE_HPP
+
+/// \file impl/KokkosMoE_WaveMerge.hpp
+/// \brief The expert rows of a pooled-wave step's waves merged into the
+/// order the flat exchange delivers them in: per local slot, by source peer
+/// slot, then by the route's position among that source's routes to this
+/// rank (DispatchHandle::arrival_key). An expert then sees one segment with
+/// the flat exchange's rows in the flat exchange's order, so its backward
+/// (weight gradients summed over the segment's rows, input gradients of
+/// every row) gives the flat exchange's bits.
+
+#include <KokkosMoE_Error.hpp>
+#include <KokkosMoE_Exchange_Handle.hpp>
+#include <KokkosMoE_KokkosCompat.hpp>
+#include <KokkosMoE_Types.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace KokkosMoE {
+namespace Impl {
+
+template <class MemorySpace>
+struct WaveMerge {
+  std::vector<index_t> offsets;                    ///< [L + 1] merged segments per local slot
+  Kokkos::View<index_t*, MemorySpace> offsets_d;   ///< device copy
+  std::vector<Kokkos::View<index_t*, MemorySpace>> merged_of;  ///< per wave: merged row of its expert row c
+  index_t rows() const { return offsets.empty() ? 0 : offsets.back(); }
+};
+
+/// \brief The merge of handles' expert rows (one handle per wave, each with
+/// its arrival keys; their slots must agree).
+template <class T, class MemorySpace>
+WaveMerge<MemorySpace> merge_waves(std::vector<Exchange::DispatchHandle<T, MemorySpace>> const& waves) {
+  WaveMerge<MemorySpace> m;
+  KOKKOSMOE_REQUIRE(!waves.empty(), "wave merge: no waves");
+  std::size_t const L = waves.front().expert_counts.size();
+  struct Entry {
+    std::int64_t key;
+    int wave;
+    index_t row;
+  };
+  std::vector<std::vector<Entry>> per_slot(L);
+  for (std::size_t w = 0; w < waves.size(); ++w) {
+    auto const& h = waves[w];
+    KOKKOSMOE_REQUIRE(h.expert_counts.size() == L && h.expert_offsets.size() == L + 1,
+                      "wave merge: wave " << w << " has " << h.expert_counts.size() << " local slots, wave 0 has " << L);
+    KOKKOSMOE_REQUIRE(static_cast<index_t>(h.arrival_key.extent(0)) == h.rows(),
+                      "wave merge: wave " << w << " has " << h.arrival_key.extent(0) << " arrival keys for " << h.rows() << " rows");
+    auto const key = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), h.arrival_key);
+    for (std::size_t q = 0; q < L; ++q)
+      for (index_t c = h.expert_offsets[q]; c < h.expert_offsets[q + 1]; ++c)
+        per_slot[q].push_back(Entry{key(c), static_cast<int>(w), c});
+  }
+  m.offsets.assign(L + 1, 0);
+  std::vector<std::vector<index_t>> merged(waves.size());
+  for (std::size_t w = 0; w < waves.size(); ++w) merged[w].assign(static_cast<std::size_t>(waves[w].rows()), -1);
+  for (std::size_t q = 0; q < L; ++q) {
+    auto& e = per_slot[q];
+    std::sort(e.begin(), e.end(), [](Entry const& a, Entry const& b) { return a.key < b.key; });
+    for (std::size_t i = 1; i < e.size(); ++i)
+      KOKKOSMOE_REQUIRE(e[i].key != e[i - 1].key, "wave merge: local slot " << q << " received two rows with arrival key " << e[i].key);
+    m.offsets[q + 1] = m.offsets[q] + static_cast<index_t>(e.size());
+    for (std::size_t i = 0; i < e.size(); ++i)
+      merged[static_cast<std::size_t>(e[i].wave)][static_cast<std::size_t>(e[i].row)] = m.offsets[q] + static_cast<index_t>(i);
+  }
+  m.offsets_d = Kokkos::View<index_t*, MemorySpace>("KokkosMoE::WaveMerge::offsets", L + 1);
+  Kokkos::deep_copy(m.offsets_d, Kokkos::View<index_t const*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
+                                     m.offsets.data(), m.offsets.size()));
+  for (std::size_t w = 0; w < waves.size(); ++w) {
+    Kokkos::View<index_t*, MemorySpace> d("KokkosMoE::WaveMerge::merged_of", merged[w].size());
+    Kokkos::deep_copy(d, Kokkos::View<index_t const*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
+                             merged[w].data(), merged[w].size()));
+    m.merged_of.push_back(d);
+  }
+  return m;
+}
+
+/// \brief merged(merged_of[w](c), :) = rows(c, :) for wave w's rows.
+template <class Exec, class MS, class M>
+void merge_rows(Exec const& exec, WaveMerge<MS> const& m, int w, M const& rows, M const& merged) {
+  auto map = m.merged_of[static_cast<std::size_t>(w)];
+  int const d = static_cast<int>(rows.extent(1));
+  Kokkos::parallel_for(
+      "KokkosMoE::WaveMerge::merge", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(map.extent(0))),
+      KOKKOS_LAMBDA(index_t c) {
+        index_t const to = map(c);
+        for (int j = 0; j < d; ++j) merged(to, j) = rows(c, j);
+      });
+}
+
+/// \brief rows(c, :) = merged(merged_of[w](c), :) for wave w's rows.
+template <class Exec, class MS, class M>
+void split_rows(Exec const& exec, WaveMerge<MS> const& m, int w, M const& merged, M const& rows) {
+  auto map = m.merged_of[static_cast<std::size_t>(w)];
+  int const d = static_cast<int>(rows.extent(1));
+  Kokkos::parallel_for(
+      "KokkosMoE::WaveMerge::split", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(map.extent(0))),
+      KOKKOS_LAMBDA(index_t c) {
+        index_t const from = map(c);
+        for (int j = 0; j < d; ++j) rows(c, j) = merged(from, j);
+      });
+}
+
+}  // namespace Impl
+}  // namespace KokkosMoE
+
+#endif
