@@ -297,31 +297,39 @@ class MoELayer {
     Impl::WaveMerge<MemorySpace> merge;
     RowMatrix<T, MemorySpace> expert_in;  // the experts' input rows (merged)
     Kokkos::View<index_t*, MemorySpace> expert_offsets;
+    // The waves' expert rows as one matrix in the merged order (one wave:
+    // its own rows), and the reverse: rows in that order combined back,
+    // wave by wave, through handles' exchange into `out`.
+    auto merged_rows = [&](std::vector<Exchange::DispatchHandle<T, MemorySpace>> const& handles,
+                           char const* label) -> RowMatrix<T, MemorySpace> {
+      if (!merged) return handles[0].expert_rows;
+      auto m = work_.template matrix<T>(exec, label, merge.rows(), static_cast<std::size_t>(d));
+      for (int w = 0; w < W; ++w) Impl::move_wave_rows(exec, merge, w, handles[static_cast<std::size_t>(w)].expert_rows, m, true);
+      return m;
+    };
+    auto combine_waves = [&](exchange_type& ex, std::vector<Exchange::DispatchHandle<T, MemorySpace>>& handles,
+                             RowMatrix<T, MemorySpace> const& rows, PayloadBuffer<MemorySpace> const& out) {
+      for (int w = 0; w < W; ++w) {
+        auto& h = handles[static_cast<std::size_t>(w)];
+        if (merged) {
+          auto part = work_.template matrix<T>(exec, "bwd_wave_rows", h.rows(), static_cast<std::size_t>(d));
+          Impl::move_wave_rows(exec, merge, w, part, rows, false);
+          ex.combine(exec, h, part, out, "");
+        } else {
+          ex.combine(exec, h, rows, out, "");
+        }
+      }
+    };
     auto returned = payload_buffer(work_, exec, "bwd_returned", config_.exchange.return_payload, d, plan.rows());
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "recompute");
       for (int w = 0; w < W; ++w) h1[static_cast<std::size_t>(w)] = x.dispatch(exec, routes, plan, hidden, w);
-      if (merged) {
-        merge = Impl::merge_waves(h1);
-        expert_in = work_.template matrix<T>(exec, "bwd_expert_in", merge.rows(), static_cast<std::size_t>(d));
-        for (int w = 0; w < W; ++w) Impl::merge_rows(exec, merge, w, h1[static_cast<std::size_t>(w)].expert_rows, expert_in);
-        expert_offsets = merge.offsets_d;
-      } else {
-        expert_in = h1[0].expert_rows;
-        expert_offsets = h1[0].expert_offsets_d;
-      }
+      if (merged) merge = Impl::merge_waves(h1);
+      expert_in = merged_rows(h1, "bwd_expert_in");
+      expert_offsets = merged ? merge.offsets_d : h1[0].expert_offsets_d;
       auto z = work_.template matrix<T>(exec, "bwd_z", static_cast<index_t>(expert_in.extent(0)), static_cast<std::size_t>(d));
       backward_.forward_keep(exec, routed_, expert_in, expert_offsets, z, saved);
-      for (int w = 0; w < W; ++w) {
-        auto& h = h1[static_cast<std::size_t>(w)];
-        if (merged) {
-          auto zw = work_.template matrix<T>(exec, "bwd_z_wave", h.rows(), static_cast<std::size_t>(d));
-          Impl::split_rows(exec, merge, w, z, zw);
-          x.combine(exec, h, zw, returned, "");
-        } else {
-          x.combine(exec, h, z, returned, "");
-        }
-      }
+      combine_waves(x, h1, z, returned);
     }
     // Combine backward: gate gradients and the per-route output gradients,
     // laid out by route (row a of route a) for the gradient dispatch.
@@ -382,11 +390,7 @@ class MoELayer {
       if (!same) problem = "wave " + std::to_string(w) + ": the gradient rows arrived in another expert-major order than the forward's";
     }
     agree(ep, problem, "MoE layer backward", watchdog);
-    RowMatrix<T, MemorySpace> dy = h2[0].expert_rows;
-    if (merged) {
-      dy = work_.template matrix<T>(exec, "bwd_expert_dy", merge.rows(), static_cast<std::size_t>(d));
-      for (int w = 0; w < W; ++w) Impl::merge_rows(exec, merge, w, h2[static_cast<std::size_t>(w)].expert_rows, dy);
-    }
+    auto const dy = merged_rows(h2, "bwd_expert_dy");
     auto dxe = work_.template matrix<T>(exec, "bwd_dxe", static_cast<index_t>(expert_in.extent(0)), static_cast<std::size_t>(d));
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "experts");
@@ -394,17 +398,8 @@ class MoELayer {
     }
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine_exchange");
-      for (int w = 0; w < W; ++w) {
-        auto& h = h2[static_cast<std::size_t>(w)];
-        if (merged) {
-          auto dxw = work_.template matrix<T>(exec, "bwd_dxe_wave", h.rows(), static_cast<std::size_t>(d));
-          Impl::split_rows(exec, merge, w, dxe, dxw);
-          xr.combine(exec, h, dxw, returned_grad, "");
-        } else {
-          xr.combine(exec, h, dxe, returned_grad, "");
-        }
-        h1[static_cast<std::size_t>(w)] = {};
-      }
+      combine_waves(xr, h2, dxe, returned_grad);
+      h1.clear();
     }
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "dispatch_backward");

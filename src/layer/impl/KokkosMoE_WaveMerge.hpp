@@ -81,29 +81,22 @@ WaveMerge<MemorySpace> merge_waves(std::vector<Exchange::DispatchHandle<T, Memor
   return m;
 }
 
-/// \brief merged(merged_of[w](c), :) = rows(c, :) for wave w's rows.
+/// \brief Copies wave w's rows between its own order and the merged one:
+/// merged(merged_of[w](c), :) = rows(c, :) when into_merged, else the reverse.
 template <class Exec, class MS, class M>
-void merge_rows(Exec const& exec, WaveMerge<MS> const& m, int w, M const& rows, M const& merged) {
+void move_wave_rows(Exec const& exec, WaveMerge<MS> const& m, int w, M const& rows, M const& merged, bool into_merged) {
   auto map = m.merged_of[static_cast<std::size_t>(w)];
   int const d = static_cast<int>(rows.extent(1));
   Kokkos::parallel_for(
-      "KokkosMoE::WaveMerge::merge", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(map.extent(0))),
-      KOKKOS_LAMBDA(index_t c) {
-        index_t const to = map(c);
-        for (int j = 0; j < d; ++j) merged(to, j) = rows(c, j);
-      });
-}
-
-/// \brief rows(c, :) = merged(merged_of[w](c), :) for wave w's rows.
-template <class Exec, class MS, class M>
-void split_rows(Exec const& exec, WaveMerge<MS> const& m, int w, M const& merged, M const& rows) {
-  auto map = m.merged_of[static_cast<std::size_t>(w)];
-  int const d = static_cast<int>(rows.extent(1));
-  Kokkos::parallel_for(
-      "KokkosMoE::WaveMerge::split", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(map.extent(0))),
-      KOKKOS_LAMBDA(index_t c) {
-        index_t const from = map(c);
-        for (int j = 0; j < d; ++j) rows(c, j) = merged(from, j);
+      into_merged ? "KokkosMoE::WaveMerge::merge" : "KokkosMoE::WaveMerge::split",
+      Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(map.extent(0))), KOKKOS_LAMBDA(index_t c) {
+        index_t const at = map(c);
+        for (int j = 0; j < d; ++j) {
+          if (into_merged)
+            merged(at, j) = rows(c, j);
+          else
+            rows(c, j) = merged(at, j);
+        }
       });
 }
 
