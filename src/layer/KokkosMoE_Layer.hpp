@@ -304,7 +304,9 @@ class MoELayer {
                            char const* label) -> RowMatrix<T, MemorySpace> {
       if (!merged) return handles[0].expert_rows;
       auto m = work_.template matrix<T>(exec, label, merge.rows(), static_cast<std::size_t>(d));
-      for (int w = 0; w < W; ++w) Impl::move_wave_rows(exec, merge, w, handles[static_cast<std::size_t>(w)].expert_rows, m, true);
+      for (int w = 0; w < W; ++w)
+        scatter_rows(exec, handles[static_cast<std::size_t>(w)].expert_rows, merge.merged_of[static_cast<std::size_t>(w)], m,
+                     "KokkosMoE::Layer::backward[merge waves]");
       return m;
     };
     auto combine_waves = [&](exchange_type& ex, std::vector<Exchange::DispatchHandle<T, MemorySpace>>& handles,
@@ -313,7 +315,7 @@ class MoELayer {
         auto& h = handles[static_cast<std::size_t>(w)];
         if (merged) {
           auto part = work_.template matrix<T>(exec, "bwd_wave_rows", h.rows(), static_cast<std::size_t>(d));
-          Impl::move_wave_rows(exec, merge, w, part, rows, false);
+          gather_rows(exec, rows, merge.merged_of[static_cast<std::size_t>(w)], part, "KokkosMoE::Layer::backward[split waves]");
           ex.combine(exec, h, part, out, "");
         } else {
           ex.combine(exec, h, rows, out, "");
@@ -324,7 +326,7 @@ class MoELayer {
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "recompute");
       for (int w = 0; w < W; ++w) h1[static_cast<std::size_t>(w)] = x.dispatch(exec, routes, plan, hidden, w);
-      if (merged) merge = Impl::merge_waves(h1);
+      if (merged) collective(ep, "MoE layer backward: wave merge", [&] { merge = Impl::merge_waves(h1); }, watchdog);
       expert_in = merged_rows(h1, "bwd_expert_in");
       expert_offsets = merged ? merge.offsets_d : h1[0].expert_offsets_d;
       auto z = work_.template matrix<T>(exec, "bwd_z", static_cast<index_t>(expert_in.extent(0)), static_cast<std::size_t>(d));

@@ -12,7 +12,6 @@
 
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Exchange_Handle.hpp>
-#include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Types.hpp>
 
 #include <Kokkos_Core.hpp>
@@ -29,7 +28,9 @@ template <class MemorySpace>
 struct WaveMerge {
   std::vector<index_t> offsets;                    ///< [L + 1] merged segments per local slot
   Kokkos::View<index_t*, MemorySpace> offsets_d;   ///< device copy
-  std::vector<Kokkos::View<index_t*, MemorySpace>> merged_of;  ///< per wave: merged row of its expert row c
+  /// Per wave: the merged row of its expert row c (rows move with
+  /// scatter_rows into the merged order and gather_rows back).
+  std::vector<Kokkos::View<index_t*, MemorySpace>> merged_of;
   index_t rows() const { return offsets.empty() ? 0 : offsets.back(); }
 };
 
@@ -79,25 +80,6 @@ WaveMerge<MemorySpace> merge_waves(std::vector<Exchange::DispatchHandle<T, Memor
     m.merged_of.push_back(d);
   }
   return m;
-}
-
-/// \brief Copies wave w's rows between its own order and the merged one:
-/// merged(merged_of[w](c), :) = rows(c, :) when into_merged, else the reverse.
-template <class Exec, class MS, class M>
-void move_wave_rows(Exec const& exec, WaveMerge<MS> const& m, int w, M const& rows, M const& merged, bool into_merged) {
-  auto map = m.merged_of[static_cast<std::size_t>(w)];
-  int const d = static_cast<int>(rows.extent(1));
-  Kokkos::parallel_for(
-      into_merged ? "KokkosMoE::WaveMerge::merge" : "KokkosMoE::WaveMerge::split",
-      Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(map.extent(0))), KOKKOS_LAMBDA(index_t c) {
-        index_t const at = map(c);
-        for (int j = 0; j < d; ++j) {
-          if (into_merged)
-            merged(at, j) = rows(c, j);
-          else
-            rows(c, j) = merged(at, j);
-        }
-      });
 }
 
 }  // namespace Impl
