@@ -71,6 +71,21 @@ static inline void prefetch_next_block(std::uint16_t const* next, long ldw, int 
   for (long l = s * per, e = l + per < lines ? l + per : lines; l < e; ++l) _mm_prefetch(base + l * 64, _MM_HINT_T1);
 }
 
+// acc[i] += the transposed block t (vector pp: pair pp of every lane's row)
+// times row i's pairs broadcast by x(pp, i), on the given lanes.
+template <int R, class X>
+static inline void dot_block(__m512* acc, vfloat const* t, __mmask16 lanes, X const& x) {
+#pragma GCC unroll 16
+  for (int pp = 0; pp < 16; ++pp) {
+    __m512i const wv = reinterpret_cast<__m512i const&>(t[pp]);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      __m512i const xv = x(pp, i);
+      acc[i] = _mm512_mask_dpbf16_ps(acc[i], lanes, reinterpret_cast<__m512bh const&>(wv), reinterpret_cast<__m512bh const&>(xv));
+    }
+  }
+}
+
 // out[i * 16 + j] over the 16 weight rows w + j * ldw and the R rows given
 // as pairs xt2[p * R + i]: blocks of 16 rows x 16 pairs (one cache line per
 // row) are transposed as 32-bit pairs, so lane j of block vector pp holds
@@ -91,12 +106,7 @@ void decode_dp(int K, std::uint32_t const* __restrict xt2, std::uint16_t const* 
     for (int j = 0; j < 16; ++j) std::memcpy(&t[j], w + j * ldw + 2 * p0, sizeof(vfloat));
     transpose_stage<8>(t);
     std::uint32_t const* xp = xt2 + static_cast<long>(p0) * R;
-#pragma GCC unroll 16
-    for (int pp = 0; pp < 16; ++pp) {
-      __m512i const wv = reinterpret_cast<__m512i const&>(t[pp]);
-#pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) acc[i] = dot(acc[i], wv, _mm512_set1_epi32(static_cast<int>(xp[pp * R + i])));
-    }
+    dot_block<R>(acc, t, 0xFFFF, [xp](int pp, int i) { return _mm512_set1_epi32(static_cast<int>(xp[pp * R + i])); });
   }
   int const Kp = (K + 1) / 2;
   for (int p = 16 * steps; p < Kp; ++p) {
@@ -143,16 +153,7 @@ void decode_dp_skewed(int K, std::uint64_t const* __restrict xs2, std::uint16_t 
     }
     transpose_stage<8>(t);
     std::uint64_t const* xp = xs2 + static_cast<long>(p0) * R;
-#pragma GCC unroll 16
-    for (int pp = 0; pp < 16; ++pp) {
-      __m512i const wv = reinterpret_cast<__m512i const&>(t[pp]);
-#pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        __m512i const xv = _mm512_set1_epi64(static_cast<long long>(xp[pp * R + i]));
-        acc[i] = _mm512_mask_dpbf16_ps(acc[i], lanes, reinterpret_cast<__m512bh const&>(wv),
-                                       reinterpret_cast<__m512bh const&>(xv));
-      }
-    }
+    dot_block<R>(acc, t, lanes, [xp](int pp, int i) { return _mm512_set1_epi64(static_cast<long long>(xp[pp * R + i])); });
   }
   // Lanes (2m, 2m + 1) are columns (m, 8 + m).
 #pragma GCC unroll 8
