@@ -114,6 +114,8 @@ struct Options {
 int run_trace(Options const& o, MPI_Comm comm) {
   int const me = comm_rank(comm);
   auto const trace = read_route_trace(comm, o.trace);
+  KOKKOSMOE_REQUIRE(trace.has_routes(), o.trace << ": the trace holds router logits only; --trace reads routes (kmoe-layer replays "
+                                                           "the logits through a router and records its routes with run.record_routes)");
   int const E = o.experts > 0 ? o.experts : trace.max_expert() + 1;
   KOKKOSMOE_REQUIRE(E > 0 && trace.max_expert() < E,
                     o.trace << ": routes to expert " << trace.max_expert() << " but --experts is " << E);

@@ -341,7 +341,13 @@ Outcome run_cluster(LayerDeck const& deck, Options const& opt, std::optional<Exc
     ro.gemm_path = config.router_gemm;
     router.route(exec, hidden, Setup::router_weight<float, MS>(deck), table, ro);
   } else if (deck.tokens.source == "trace") {
-    table = trace_routes<MS>(Setup::load_trace(deck, world), 0, rank, deck.model.experts);  // the trace's first step
+    auto const trace = Setup::load_trace(deck, world);  // its first step: routes, or logits through the deck's router
+    if (trace_replay(trace, deck.tokens.replay, Setup::trace_where(deck)) == TraceReplay::logits) {
+      Router<MS> router(config.router);
+      router.route_logits(exec, trace_logits<MS>(trace, 0, rank), table);
+    } else {
+      table = trace_routes<MS>(trace, 0, rank, deck.model.experts);
+    }
   } else {
     table = Setup::sampled_routes<MS>(exec, deck, config, 0, first, T, rank, explicit_slot);
   }

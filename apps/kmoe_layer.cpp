@@ -166,8 +166,17 @@ class LayerRun {
     if (deck.bias_update != "none")
       bias_ = std::make_unique<BiasController>(from_string<BiasUpdateRule>(deck.bias_update), BiasSchedule::constant(deck.bias_gamma));
     outs_.resize(algorithms_.size());
-    if (deck.tokens.source == "trace") trace_ = Setup::load_trace(deck, world_);
+    if (deck.tokens.source == "trace") {
+      trace_ = Setup::load_trace(deck, world_);
+      replay_ = trace_replay(*trace_, deck.tokens.replay, Setup::trace_where(deck));
+    }
     record_path_ = opt.record_routes.empty() ? deck.run.record_routes : opt.record_routes;
+    record_logits_ = deck.run.record_logits;
+    collective(world_, "recording logits", [&] {
+      KOKKOSMOE_REQUIRE(!record_logits_ || !trace_ || replay_ == TraceReplay::logits,
+                        deck.path << ": run.record_logits: the trace '" << deck.tokens.trace
+                                  << "' replays routes, which have no logits (tokens.replay = \"logits\" replays a trace's logits)");
+    }, watchdog_);
     rebalance_every_ = opt.rebalance_every >= 0 ? opt.rebalance_every : deck.placement.rebalance_every;
     collective(world_, "rebalancing setup", [&] {
       KOKKOSMOE_REQUIRE(rebalance_every_ == 0 || is_eplb(deck.placement.policy),
@@ -187,7 +196,8 @@ class LayerRun {
       step_routes(step, hidden);
       std::vector<std::vector<float>> host_out(algorithms_.size());
       for (std::size_t a = 0; a < algorithms_.size(); ++a) forward(a, hidden, measured, host_out[a]);
-      if (!record_path_.empty()) record_routes(world_, table_, recorded_, watchdog_);
+      if (!record_path_.empty())
+        record_routes(world_, table_, recorded_, watchdog_, record_logits_ ? step_logits() : RowMatrix<float, MS>());
       if (measured && algorithms_.size() > 1) compare_outputs(host_out);
       expert_load(measured);
       if (rebalance_every_ > 0 && (step + 1) % rebalance_every_ == 0 && step + 1 < warmup_ + steps_) rebalance(step);
@@ -201,8 +211,9 @@ class LayerRun {
       collective(world_, "writing the route trace", [&] {
         if (rank_ != 0) return;
         write_route_trace(record_path_, recorded_, deck_.model.experts);
-        std::printf("routes: %s (%d steps x %d ranks x %lld tokens x top-%d)\n", record_path_.c_str(), recorded_.steps,
-                    recorded_.ranks, static_cast<long long>(recorded_.tokens), recorded_.top_k);
+        std::printf("routes: %s (%d steps x %d ranks x %lld tokens x top-%d%s)\n", record_path_.c_str(), recorded_.steps,
+                    recorded_.ranks, static_cast<long long>(recorded_.tokens), recorded_.top_k,
+                    recorded_.has_logits() ? (", logits of " + std::to_string(recorded_.num_experts) + " experts").c_str() : "");
       });
     if (opt_.print_output) print_outputs();
     summary();
@@ -221,6 +232,9 @@ class LayerRun {
               << (deck_.run.chunks > 1 ? " (" + std::to_string(deck_.run.chunks) + " chunks)" : std::string()) << "\n";
     if (deck_.topology.fabric.enabled())
       std::cout << "times: emulated (" << deck_.topology.fabric.describe() << ")\n";
+    if (trace_)
+      std::cout << "tokens: trace " << deck_.tokens.trace << " (" << trace_->steps << " steps), replaying its "
+                << (replay_ == TraceReplay::logits ? "logits through the router" : "routes") << "\n";
   }
 
   std::string evidence() const { return deck_.topology.fabric.enabled() ? "emulated" : "measured"; }
@@ -231,7 +245,15 @@ class LayerRun {
   void step_routes(int step, RowMatrix<T, MS> const& hidden) {
     router_seconds_ = 0;
     explicit_slot_ = {};
-    if (trace_) {
+    replayed_logits_ = {};
+    if (trace_ && replay_ == TraceReplay::logits) {
+      // Recorded logits through this layer's router (its score function,
+      // correction bias, limits and admission), as route() does after its GEMM.
+      Kokkos::Timer t;
+      replayed_logits_ = trace_logits<MS>(*trace_, step, rank_);
+      layer_->router().route_logits(exec_, replayed_logits_, table_);
+      router_seconds_ = t.seconds();
+    } else if (trace_) {
       table_ = trace_routes<MS>(*trace_, step, rank_, deck_.model.experts);
     } else if (deck_.tokens.source != "router") {
       table_ = Setup::sampled_routes<MS>(exec_, deck_, setup_.config, step, first_, tokens_, rank_, explicit_slot_);
@@ -255,7 +277,7 @@ class LayerRun {
       table_ = layer_->routes();
     } else {
       rec = layer_->forward_routes(exec_, hidden, table_, out, algorithms_[a], explicit_slot_);
-      if (deck_.tokens.source == "router") {
+      if (deck_.tokens.source == "router" || replay_ == TraceReplay::logits) {
         rec.seconds["router"] += router_seconds_;
         rec.seconds["total"] += router_seconds_;
       }
@@ -560,7 +582,15 @@ class LayerRun {
   std::unique_ptr<BiasController> bias_;
   std::vector<RowMatrix<T, MS>> outs_;
   RouteTable<MS> table_;
+  /// The logits of the step's routes: replayed ones, or the router's.
+  RowMatrix<float, MS> step_logits() const {
+    return replay_ == TraceReplay::logits ? replayed_logits_ : layer_->router().logits();
+  }
+
   std::optional<RouteTrace> trace_;  // tokens.source = "trace"
+  TraceReplay replay_ = TraceReplay::routes;
+  RowMatrix<float, MS> replayed_logits_;  // the step's logits of a logit replay
+  bool record_logits_ = false;
   RouteTrace recorded_;              // run.record_routes
   std::string record_path_;
   Kokkos::View<int**, Kokkos::LayoutRight, MS> explicit_slot_;

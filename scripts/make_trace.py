@@ -11,6 +11,15 @@ experts.npy and gates.npy, or an .h5/.hdf5 file with datasets /experts and
 /gates. Replay it with [tokens] source = "trace" (kmoe-layer, kmoe-exchange)
 or drive placement with kmoe-eplb --trace.
 
+With --logits the trace also holds router logits (float32, [steps, ranks,
+tokens, experts]; logits.npy or /logits): log(weight) plus Gumbel noise per
+token and expert, so that a softmax router's top-k of them is the same draw
+(Gumbel top-k). The experts and gates arrays are then that router's choice:
+the top_k largest logits, gates their softmax renormalized over the top_k.
+kmoe-layer replays the logits through its own router ([tokens] replay =
+"logits"): score function, correction bias, group limits and admission of
+the deck apply.
+
 Kinds (per step, a popularity weight per expert; every token draws top_k
 distinct experts with probability proportional to the weights, gates are
 their renormalized weights):
@@ -57,17 +66,29 @@ def popularity(kind, step, experts, rng_state, args):
     raise ValueError(kind)
 
 
-def draw(weights, tokens, top_k, rng):
-    """top_k distinct experts per token, proportional to weights (Gumbel top-k)."""
+def draw(weights, tokens, top_k, rng, logits=False):
+    """top_k distinct experts per token, proportional to weights (Gumbel top-k).
+
+    Returns ids, gates and (logits=True) the perturbed scores as float32
+    logits, whose top_k are the ids and whose renormalized softmax over the
+    top_k are the gates; otherwise the gates are the renormalized weights."""
     logw = np.log(np.maximum(weights, 1e-300))
     g = rng.gumbel(size=(tokens, len(weights))) + logw
+    if logits:
+        g = g.astype(np.float32).astype(np.float64)  # the values the trace stores
     ids = np.argpartition(-g, top_k - 1, axis=1)[:, :top_k]
     # selection order: descending perturbed score
     sel = np.take_along_axis(g, ids, axis=1)
-    ids = np.take_along_axis(ids, np.argsort(-sel, axis=1), axis=1)
+    order = np.argsort(-sel, axis=1)
+    ids = np.take_along_axis(ids, order, axis=1)
+    if logits:
+        sel = np.take_along_axis(sel, order, axis=1)
+        e = np.exp(sel - sel[:, :1])
+        gates = e / e.sum(axis=1, keepdims=True)
+        return ids.astype(np.int32), gates.astype(np.float32), g.astype(np.float32)
     gw = weights[ids]
     gates = gw / gw.sum(axis=1, keepdims=True)
-    return ids.astype(np.int32), gates.astype(np.float32)
+    return ids.astype(np.int32), gates.astype(np.float32), None
 
 
 def main(argv=None):
@@ -85,6 +106,7 @@ def main(argv=None):
     p.add_argument("--burst-prob", type=float, default=0.1)
     p.add_argument("--burst-len", type=int, default=5)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--logits", action="store_true", help="also store router logits (see above)")
     p.add_argument("--out", required=True, help="directory (NumPy layout) or .h5/.hdf5 file")
     a = p.parse_args(argv)
     for name in ("steps", "ranks", "tokens", "experts", "top_k", "burst_len"):
@@ -101,10 +123,13 @@ def main(argv=None):
     state = {"order": rng.permutation(a.experts), "rng": rng, "burst_left": 0, "burst_experts": None}
     experts = np.empty((a.steps, a.ranks, a.tokens, a.top_k), dtype=np.int32)
     gates = np.empty(experts.shape, dtype=np.float32)
+    logits = np.empty((a.steps, a.ranks, a.tokens, a.experts), dtype=np.float32) if a.logits else None
     for s in range(a.steps):
         w = popularity(a.kind, s, a.experts, state, a)
         for r in range(a.ranks):
-            experts[s, r], gates[s, r] = draw(w, a.tokens, a.top_k, rng)
+            experts[s, r], gates[s, r], z = draw(w, a.tokens, a.top_k, rng, a.logits)
+            if logits is not None:
+                logits[s, r] = z
 
     if a.out.endswith((".h5", ".hdf5")):
         try:
@@ -115,12 +140,16 @@ def main(argv=None):
         with h5py.File(a.out, "w") as f:
             f.create_dataset("experts", data=experts)
             f.create_dataset("gates", data=gates)
+            if logits is not None:
+                f.create_dataset("logits", data=logits)
             f.attrs["num_experts"] = a.experts
             f.attrs["kind"] = a.kind
     else:
         os.makedirs(a.out, exist_ok=True)
         np.save(os.path.join(a.out, "experts.npy"), experts)
         np.save(os.path.join(a.out, "gates.npy"), gates)
+        if logits is not None:
+            np.save(os.path.join(a.out, "logits.npy"), logits)
     load = np.bincount(experts.reshape(a.steps, -1)[0], minlength=a.experts)
     print(f"make_trace.py: {a.kind} trace {experts.shape} -> {a.out} (step 0: hottest expert {int(load.argmax())} "
           f"carries {load.max() / load.mean():.2f}x the mean load)")

@@ -1,8 +1,10 @@
 // Routing traces: written and read back in both layouts (NumPy directory,
 // HDF5 file) with the same routes; int64/float64 NumPy arrays read too; a
 // step's routes become a route table (dropped routes not accepted, expert
-// counts from the accepted ones); files and traces that do not fit are
-// refused naming the file, the array or the deck key, on every rank.
+// counts from the accepted ones); router logits round trip with or without
+// routes, a step's logits routed by a router give the routes it gave when
+// they were recorded; files and traces that do not fit are refused naming
+// the file, the array or the deck key, on every rank.
 
 #include "kmoe_catch.hpp"
 #include "kmoe_test_util.hpp"
@@ -10,9 +12,11 @@
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Report.hpp>
 #include <KokkosMoE_RouteTrace.hpp>
+#include <KokkosMoE_Router.hpp>
 
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <string>
 
 using namespace KokkosMoE;
@@ -34,6 +38,21 @@ RouteTrace sample_trace() {
           t.experts.push_back(i == 4 && j == 1 ? -1 : e);  // one dropped route per rank and step
           t.gates.push_back(0.25f * static_cast<float>(j + 1) + 0.01f * static_cast<float>(i));
         }
+  return t;
+}
+
+/// sample_trace() with logits of 6 experts per token (and, `routes` false,
+/// without its routes).
+RouteTrace sample_logit_trace(bool routes) {
+  RouteTrace t = sample_trace();
+  t.num_experts = 6;
+  for (std::size_t i = 0; i < static_cast<std::size_t>(t.steps * t.ranks * t.tokens * 6); ++i)
+    t.logits.push_back(0.125f * static_cast<float>((i * 37) % 23) - 1.0f);
+  if (!routes) {
+    t.top_k = 0;
+    t.experts.clear();
+    t.gates.clear();
+  }
   return t;
 }
 
@@ -82,6 +101,106 @@ TEST_CASE("route traces: both layouts round trip, every rank reads the same", "[
     for (double x : load) total += x;
     CHECK(total == 2 * (5 * 2 - 1));  // every route of both ranks but the dropped ones
   }
+}
+
+TEST_CASE("route traces: logits round trip with and without routes", "[trace][mpi]") {
+  MPI_Comm const world = MPI_COMM_WORLD;
+  for (bool routes : {true, false}) {
+    auto const t = sample_logit_trace(routes);
+    for (std::string path : {scratch(routes ? "logits_routes" : "logits"), scratch(routes ? "logits_routes" : "logits") + ".h5"}) {
+      INFO(path);
+      collective(world, "write", [&] {
+        if (comm_rank(world) == 0) write_route_trace(path, t, 6);
+      });
+      auto const back = read_route_trace(world, path);
+      CHECK(back.has_routes() == routes);
+      CHECK(back.has_logits());
+      CHECK(back.steps == 3);
+      CHECK(back.ranks == 2);
+      CHECK(back.tokens == 5);
+      CHECK(back.top_k == (routes ? 2 : 0));
+      CHECK(back.num_experts == 6);
+      CHECK(back.experts == t.experts);
+      CHECK(back.gates == t.gates);
+      CHECK(back.logits == t.logits);
+      CHECK(trace_replay(back, TraceReplay::automatic, "w") == (routes ? TraceReplay::routes : TraceReplay::logits));
+      CHECK(trace_replay(back, TraceReplay::logits, "w") == TraceReplay::logits);
+      // Step 4 of a replay reads trace step 1.
+      auto const z = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), trace_logits<MS>(back, 4, 1));
+      REQUIRE(z.extent(0) == 5);
+      REQUIRE(z.extent(1) == 6);
+      for (int i = 0; i < 5; ++i)
+        for (int e = 0; e < 6; ++e) CHECK(z(i, e) == t.logits[t.logit_offset(1, 1) + static_cast<std::size_t>(i * 6 + e)]);
+    }
+  }
+  // What a replay needs, named.
+  auto const logits_only = sample_logit_trace(false);
+  CHECK_THROWS_WITH(trace_replay(logits_only, TraceReplay::routes, "d.toml: tokens.trace 'x'"),
+                    Catch::Matchers::Contains("d.toml: tokens.trace 'x': replaying routes, but the trace holds logits only"));
+  CHECK_THROWS_WITH(trace_replay(sample_trace(), TraceReplay::logits, "w"),
+                    Catch::Matchers::Contains("w: replaying logits, but the trace holds no logits"));
+  CHECK_THROWS_WITH(check_route_trace(logits_only, "w", 2, 4, 8, 5, TraceReplay::logits),
+                    Catch::Matchers::Contains("w: the trace holds logits of 6 experts; the deck has 8 experts"));
+  CHECK_NOTHROW(check_route_trace(logits_only, "w", 2, 4, 6, 5, TraceReplay::automatic));  // any top_k: the router picks
+  CHECK_THROWS_WITH(trace_routes<MS>(logits_only, 0, 0, 6), Catch::Matchers::Contains("the trace holds logits only"));
+}
+
+TEST_CASE("route traces: recorded logits routed again give the recorded routes", "[trace][mpi]") {
+  MPI_Comm const world = MPI_COMM_WORLD;
+  int const rank = comm_rank(world), size = comm_size(world);
+  using Exec = Kokkos::DefaultExecutionSpace;
+  Exec exec;
+  RouterConfig rc;
+  rc.num_experts = 8;
+  rc.top_k = 3;
+  rc.score = ScoreFunction::sigmoid;
+  rc.num_groups = 4;
+  rc.topk_groups = 2;
+  rc.group_score = SetScore::top_m_sum;
+  rc.group_top_m = 2;
+  rc.admission.policy = AdmissionPolicy::expert_capacity;
+  rc.admission.capacity_factor = 1.0;
+  Router<MS> router(rc);
+  index_t const T = 16;
+  Kokkos::View<float**, Kokkos::LayoutRight, MS> hidden("hidden", T, 4), weight("weight", 8, 4);
+  auto hh = Kokkos::create_mirror_view(hidden);
+  auto hw = Kokkos::create_mirror_view(weight);
+  for (index_t t = 0; t < T; ++t)
+    for (int c = 0; c < 4; ++c) hh(t, c) = static_cast<float>(((t + 3 * rank) * 7 + c * 5) % 11) * 0.1f - 0.5f;
+  for (int e = 0; e < 8; ++e)
+    for (int c = 0; c < 4; ++c) hw(e, c) = static_cast<float>((e * 3 + c * 7) % 9) * 0.2f - 0.8f;
+  Kokkos::deep_copy(hidden, hh);
+  Kokkos::deep_copy(weight, hw);
+  RouteTable<MS> recorded;
+  router.route(exec, hidden, weight, recorded);
+  RouteTrace trace;
+  record_routes(world, recorded, trace, 60.0, router.logits());
+  std::string const path = scratch("recorded_logits") + ".h5";
+  collective(world, "write", [&] {
+    if (rank == 0) write_route_trace(path, trace, 8);
+  });
+  auto const back = read_route_trace(world, path);
+  REQUIRE(back.ranks == size);
+  REQUIRE(back.num_experts == 8);
+  RouteTable<MS> replayed;
+  Router<MS> again(rc);
+  again.route_logits(exec, trace_logits<MS>(back, 0, rank), replayed);
+  auto e0 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recorded.expert);
+  auto e1 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), replayed.expert);
+  auto g0 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recorded.gate);
+  auto g1 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), replayed.gate);
+  auto a0 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recorded.accepted);
+  auto a1 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), replayed.accepted);
+  int dropped = 0;
+  for (index_t t = 0; t < T; ++t)
+    for (int j = 0; j < 3; ++j) {
+      CHECK(e1(t, j) == e0(t, j));
+      CHECK(std::memcmp(&g1(t, j), &g0(t, j), sizeof(float)) == 0);
+      CHECK(a1(t, j) == a0(t, j));
+      dropped += a0(t, j) ? 0 : 1;
+    }
+  CHECK(replayed.counts.dropped == dropped);
+  CHECK(replayed.counts.dropped == recorded.counts.dropped);
 }
 
 TEST_CASE("route traces: a step's routes as a route table", "[trace]") {
@@ -155,4 +274,26 @@ TEST_CASE("route traces: bad files and traces that do not fit are refused", "[tr
   CHECK_THROWS_WITH(check_route_trace(t, "w", 2, 2, 4, 5), Catch::Matchers::Contains("routes to expert 5; the deck has 4 experts"));
   CHECK_THROWS_WITH(check_route_trace(t, "w", 2, 2, 6, 8), Catch::Matchers::Contains("5 tokens per rank; the deck's tokens.per_rank is 8"));
   CHECK_NOTHROW(check_route_trace(t, "w", 2, 2, 6, 5));
+  // Logits that disagree with the routes, or are not finite.
+  collective(world, "write", [&] {
+    if (comm_rank(world) != 0) return;
+    auto z = sample_logit_trace(true);
+    write_route_trace(dir + "/logit_steps", z, 6);
+    RouteTrace fewer = z;
+    fewer.steps = 1;
+    fewer.experts.resize(fewer.offset(1, 0));
+    fewer.gates.resize(fewer.offset(1, 0));
+    fewer.logits.resize(fewer.logit_offset(1, 0));
+    write_route_trace(dir + "/logit_steps_one", fewer, 6);
+    std::ifstream in(dir + "/logit_steps_one/logits.npy", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    write_text_file(dir + "/logit_steps/logits.npy", bytes);
+    z.logits[7] = std::numeric_limits<float>::infinity();
+    write_route_trace(dir + "/logit_inf", z, 6);
+    write_text_file(dir + "/gates_only/gates.npy", bytes);
+    write_text_file(dir + "/gates_only/logits.npy", bytes);
+  });
+  refused(dir + "/logit_steps", "logit_steps: logits are for 1 steps x 2 ranks x 5 tokens, the routes for 3 x 2 x 5");
+  refused(dir + "/logit_inf", "logit_inf: logits element 7 = inf is not finite");
+  refused(dir + "/gates_only", "gates_only: gates without experts");
 }

@@ -104,6 +104,7 @@ void parse_run(Reader& r, LayerDeck& d) {
   d.run.report = r.string("run.report", "");
   d.run.hdf5 = r.string("run.hdf5", "");
   d.run.record_routes = r.string("run.record_routes", "");
+  d.run.record_logits = r.boolean("run.record_logits", false);
   d.run.progress_every = static_cast<int>(r.integer("run.progress_every", 0, 0, big));
   d.run.compare = r.options<Exchange::Algorithm>("run.compare");
   d.run.schedule = r.option<ScheduleKind>("run.schedule", ScheduleKind::serial);
@@ -201,6 +202,14 @@ void parse_tokens(Reader& r, LayerDeck& d, int ranks_for_layout) {
     r.fail("tokens.trace", "a trace is only read with tokens.source = \"trace\"");
   if (d.tokens.source == "trace" && !r.has("tokens.per_rank"))
     r.fail("tokens.trace", "a trace replay needs tokens.per_rank (the trace's tokens per rank)");
+  std::string const replay = r.choice("tokens.replay", "auto", {"auto", "routes", "logits"});
+  d.tokens.replay = replay == "routes" ? TraceReplay::routes : replay == "logits" ? TraceReplay::logits : TraceReplay::automatic;
+  if (d.tokens.source != "trace" && r.has("tokens.replay"))
+    r.fail("tokens.replay", "chooses what a trace replay reads: it needs tokens.source = \"trace\"");
+  // Logits exist where the layer's router runs: on hidden rows, or on replayed logits.
+  if (d.run.record_logits && d.tokens.source != "router" && !(d.tokens.source == "trace" && d.tokens.replay != TraceReplay::routes))
+    r.fail("run.record_logits", "records the router's logits: it needs tokens.source = \"router\" (or a trace replay of logits), not \"" +
+                                    d.tokens.source + "\"");
   d.tokens.zipf_s = r.real("tokens.zipf_s", 1.2, 0.0, huge, true);
   d.tokens.hot_expert = static_cast<int>(r.integer("tokens.hot_expert", 0, 0, d.model.experts - 1));
   d.tokens.hot_fraction = r.real("tokens.hot_fraction", 0.5, 0.0, 1.0);
@@ -448,7 +457,10 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
     if (d.run.schedule != ScheduleKind::serial) r.fail("run.schedule", "must be \"serial\" with run.mode = \"train\"");
     if (d.placement.rebalance_every != 0)
       r.fail("placement.rebalance_every", "is not read with run.mode = \"train\" (the optimizer state stays with its slots)");
+    if (!d.run.record_routes.empty()) r.fail("run.record_routes", "is not read with run.mode = \"train\"");
   }
+  if (d.run.record_logits && d.run.record_routes.empty())
+    r.fail("run.record_logits", "writes the logits into the trace of run.record_routes: give that path");
   r.finish();
   check_router(r, d, ranks);
   return d;
@@ -459,7 +471,7 @@ std::string LayerDeck::resolved() const {
   os.precision(9);  // floats (gates, rows, scales) parse back to the same values
   os << "# resolved configuration of " << path << "\n";
   os << "[run]\nsteps = " << run.steps << "\nwarmup = " << run.warmup << "\nseed = " << run.seed << "\nreport = " << quoted(run.report)
-     << "\nhdf5 = " << quoted(run.hdf5) << "\nrecord_routes = " << quoted(run.record_routes) << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(names_of_values(run.compare))
+     << "\nhdf5 = " << quoted(run.hdf5) << "\nrecord_routes = " << quoted(run.record_routes) << "\nrecord_logits = " << (run.record_logits ? "true" : "false") << "\nprogress_every = " << run.progress_every << "\ncompare = " << quoted_list(names_of_values(run.compare))
      << "\nschedule = " << quoted(to_string(run.schedule)) << "\nchunks = " << run.chunks << "\nmode = " << quoted(run.mode) << "\n";
   if (run.mode == "train")
     os << "\n[train]\noptimizer = " << quoted(train.optimizer) << "\nlearning_rate = " << train.learning_rate
@@ -481,7 +493,7 @@ std::string LayerDeck::resolved() const {
      << "\ncapacity_factor = " << router.admission.capacity_factor << "\ngemm = " << quoted(to_string(router_gemm)) << "\n";
   os << "\n[tokens]\n";
   if (tokens.source != "explicit") os << "per_rank = " << tokens.per_rank << "\n";
-  if (!tokens.trace.empty()) os << "trace = " << quoted(tokens.trace) << "\n";
+  if (!tokens.trace.empty()) os << "trace = " << quoted(tokens.trace) << "\nreplay = " << quoted(to_string(tokens.replay)) << "\n";
   os << "source = " << quoted(tokens.source) << "\nzipf_s = " << tokens.zipf_s
      << "\nhot_expert = " << tokens.hot_expert << "\nhot_fraction = " << tokens.hot_fraction << "\n";
   for (auto const& rk : tokens.ranks) {

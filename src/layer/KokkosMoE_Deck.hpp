@@ -15,6 +15,7 @@
 #include <KokkosMoE_Gemm.hpp>
 #include <KokkosMoE_Payload.hpp>
 #include <KokkosMoE_Placement.hpp>
+#include <KokkosMoE_RouteTrace.hpp>
 #include <KokkosMoE_Router.hpp>
 #include <KokkosMoE_Schedule.hpp>
 #include <KokkosMoE_Topology.hpp>
@@ -62,6 +63,7 @@ struct LayerDeck {
     std::string report;           ///< JSON report path ("" none)
     std::string hdf5;             ///< HDF5 time series path ("" none)
     std::string record_routes;    ///< routes of every step to this trace ("" none; KokkosMoE_RouteTrace.hpp)
+    bool record_logits = false;   ///< the trace holds the router's logits too (router runs, or logit replays)
     int progress_every = 0;       ///< steps between progress lines (0: about 10 lines per run)
     std::vector<KokkosMoE::Exchange::Algorithm> compare;  ///< algorithms run side by side on the same routes
     ScheduleKind schedule = ScheduleKind::serial;  ///< how a step's tasks overlap
@@ -103,6 +105,7 @@ struct LayerDeck {
     index_t per_rank = 64;
     std::string source = "router";  ///< router, uniform, zipf, hot, explicit, trace
     std::string trace;              ///< source "trace": routes to replay (KokkosMoE_RouteTrace.hpp)
+    TraceReplay replay = TraceReplay::automatic;  ///< source "trace": its routes, or its logits through the router
     double zipf_s = 1.2;
     int hot_expert = 0;
     double hot_fraction = 0.5;

@@ -266,13 +266,17 @@ RowMatrix<T, MS> hidden_rows(LayerDeck const& d, int step, index_t first, index_
   return m;
 }
 
+/// \brief "<deck>: tokens.trace '<path>'", for messages about the deck's trace.
+inline std::string trace_where(LayerDeck const& d) { return d.path + ": tokens.trace '" + d.tokens.trace + "'"; }
+
 /// \brief Collective over comm: the deck's trace (tokens.source = "trace"),
-/// checked against the deck and the run's rank count; errors on every rank.
+/// checked against the deck and the run's rank count for the deck's
+/// tokens.replay; errors on every rank.
 inline RouteTrace load_trace(LayerDeck const& d, MPI_Comm comm) {
   auto t = read_route_trace(comm, d.tokens.trace);
   int const ranks = comm_size(comm);
   collective(comm, "route trace", [&] {
-    check_route_trace(t, d.path + ": tokens.trace '" + d.tokens.trace + "'", ranks, d.model.top_k, d.model.experts, d.tokens.per_rank);
+    check_route_trace(t, trace_where(d), ranks, d.model.top_k, d.model.experts, d.tokens.per_rank, d.tokens.replay);
   });
   return t;
 }
