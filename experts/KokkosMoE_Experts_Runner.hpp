@@ -193,17 +193,18 @@ void convert_matrix(ExecutionSpace const& exec, Src const& src, Dst const& dst, 
 }
 
 /// Scalar test experts: Y(r, :) = scale(q) * X(r, :) for r in segment q.
+/// One team per row: the row's segment is found once (binary search over
+/// the offsets), then the team's threads sweep its columns (contiguous,
+/// coalesced on GPUs, a plain vectorizable loop on hosts).
 template <class ExecutionSpace, class Scale, class XV, class OffV, class YV>
 void scalar_experts(ExecutionSpace const& exec, Scale const& scale, XV const& X, OffV const& offsets, YV const& Y) {
   using yt = typename YV::non_const_value_type;
+  using policy_t = Kokkos::TeamPolicy<ExecutionSpace>;
   int const L = static_cast<int>(offsets.extent(0)) - 1;
-  std::size_t const cols = X.extent(1);
-  std::size_t const total = X.extent(0) * cols;
-  Kokkos::parallel_for("KokkosMoE::Experts::Runner::scalar",
-                       Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, total),
-                       KOKKOS_LAMBDA(std::size_t idx) {
-                         index_t const r = static_cast<index_t>(idx / cols);
-                         std::size_t const c = idx - static_cast<std::size_t>(r) * cols;
+  int const cols = static_cast<int>(X.extent(1));
+  Kokkos::parallel_for("KokkosMoE::Experts::Runner::scalar", policy_t(exec, static_cast<int>(X.extent(0)), Kokkos::AUTO),
+                       KOKKOS_LAMBDA(typename policy_t::member_type const& team) {
+                         index_t const r = team.league_rank();
                          // Segment of row r: the last q with offsets(q) <= r.
                          int lo = 0, hi = L;
                          while (hi - lo > 1) {
@@ -213,7 +214,9 @@ void scalar_experts(ExecutionSpace const& exec, Scale const& scale, XV const& X,
                            else
                              hi = mid;
                          }
-                         Y(r, c) = from_float<yt>(scale(lo) * to_float(X(r, c)));
+                         float const s = scale(lo);
+                         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, cols),
+                                              [&](int c) { Y(r, c) = from_float<yt>(s * to_float(X(r, c))); });
                        });
 }
 
