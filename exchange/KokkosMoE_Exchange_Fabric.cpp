@@ -147,26 +147,28 @@ std::int64_t FabricEmulator::reserve(std::int64_t* busy, std::int64_t earliest, 
   }
 }
 
+int FabricEmulator::ingress_of(int rank, bool inter) const {
+  return inter ? nodes_ * spec_.nics_per_node + node_[static_cast<std::size_t>(rank)] * spec_.nics_per_node + nic_of(rank)
+               : 2 * nodes_ * spec_.nics_per_node + nranks_ + rank;
+}
+
 FabricEmulator::Stamp FabricEmulator::depart(int to, std::size_t bytes) {
   FabricLink const l = link(me_, to);
   bool const inter = l == FabricLink::inter;
-  Stamp s;
-  s.cost_ns = spec_.cost_ns(inter, bytes);
+  std::int64_t const cost = spec_.cost_ns(inter, bytes);
   int const egress = inter ? node_[static_cast<std::size_t>(me_)] * spec_.nics_per_node + nic_of(me_)
                            : 2 * nodes_ * spec_.nics_per_node + me_;
-  s.egress_end_ns = reserve(slot(egress), now_ns(), s.cost_ns);
+  Stamp s;
+  s.egress_end_ns = reserve(slot(egress), now_ns(), cost);
+  // The receiver's ingress, reserved now, in the order messages are posted
+  // (not when the receiver first looks at its message, which would let a
+  // late-polling rank queue a message behind later ones). Cut-through: it
+  // may serve the message from the moment its egress started.
+  std::int64_t const ingress_end = reserve(slot(ingress_of(to, inter)), s.egress_end_ns - cost, cost);
+  s.arrival_ns = std::max(ingress_end, s.egress_end_ns);
   ++stats_.messages[static_cast<std::size_t>(l)];
   stats_.bytes[static_cast<std::size_t>(l)] += static_cast<std::int64_t>(bytes);
   return s;
-}
-
-std::int64_t FabricEmulator::arrive(int from, Stamp const& stamp) {
-  bool const inter = link(from, me_) == FabricLink::inter;
-  int const ingress = inter ? nodes_ * spec_.nics_per_node + node_[static_cast<std::size_t>(me_)] * spec_.nics_per_node + nic_of(me_)
-                            : 2 * nodes_ * spec_.nics_per_node + nranks_ + me_;
-  // Cut-through: the ingress may serve the message from the moment its egress started.
-  std::int64_t const end = reserve(slot(ingress), stamp.egress_end_ns - stamp.cost_ns, stamp.cost_ns);
-  return std::max(end, stamp.egress_end_ns);
 }
 
 }  // namespace Exchange

@@ -11,11 +11,12 @@
 /// ranks on different nodes costs c = inter_latency + b / inter_bandwidth of
 /// exclusive time on the sending rank's NIC (egress) and on the receiving
 /// rank's NIC (ingress). A NIC serves one message at a time, in the order the
-/// messages reach it; the ingress may start a message as soon as its egress
-/// did (cut-through), so one message alone completes c after it was posted,
-/// and k messages through one NIC take at least k c. A send completes when
-/// its egress ends, a receive when its ingress ends (and the real data are
-/// there). Optionally, messages between ranks of one node pay an intra-node
+/// messages reach it, which is the order they were posted (the sender
+/// reserves both ends when it posts); the ingress may start a message as
+/// soon as its egress did (cut-through), so one message alone completes c
+/// after it was posted, and k messages through one NIC take at least k c. A
+/// send completes when its egress ends, a receive when its ingress ends (and
+/// the real data are there). Optionally, messages between ranks of one node pay an intra-node
 /// link the same way, with one port per rank instead of a shared NIC.
 /// Messages of a rank to itself are local copies and never emulated.
 ///
@@ -30,8 +31,8 @@
 /// Mechanism. The NICs' "busy until" times live in one shared-memory segment
 /// (so every rank of the run must be on one host, which virtual layouts
 /// are); each emulated message is followed by a 16-byte stamp message
-/// carrying its egress end and cost, from which the receiver reserves its
-/// ingress. Clocks: CLOCK_MONOTONIC, one per host.
+/// carrying its egress end and its arrival (the ingress end the sender
+/// reserved). Clocks: CLOCK_MONOTONIC, one per host.
 
 #include <KokkosMoE_Types.hpp>
 
@@ -87,15 +88,12 @@ class FabricEmulator {
 
   /// What travels with an emulated message.
   struct Stamp {
-    std::int64_t egress_end_ns = 0;
-    std::int64_t cost_ns = 0;
+    std::int64_t egress_end_ns = 0;  ///< the send completes then
+    std::int64_t arrival_ns = 0;     ///< the receive completes then (ingress end, not before the egress end)
   };
   /// Sender side, at posting `bytes` to rank `to` (link not none): reserves
-  /// the egress; the send completes at the returned egress end.
+  /// the egress and, in posting order, the receiver's ingress.
   Stamp depart(int to, std::size_t bytes);
-  /// Receiver side, on the stamp of a message from rank `from`: reserves the
-  /// ingress; returns when the receive completes (ns).
-  std::int64_t arrive(int from, Stamp const& stamp);
 
   /// Messages and bytes this rank sent over each emulated link class, and the
   /// seconds its waits were held back beyond the real transfer.
@@ -114,6 +112,7 @@ class FabricEmulator {
  private:
   std::int64_t* slot(int index) const { return shared_ + index; }
   std::int64_t reserve(std::int64_t* busy, std::int64_t earliest, std::int64_t cost);
+  int ingress_of(int rank, bool inter) const;
 
   FabricSpec spec_;
   int me_ = 0;

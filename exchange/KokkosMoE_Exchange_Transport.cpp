@@ -113,7 +113,7 @@ constexpr int stamp_tag_offset = 16384;
 
 /// Advances one operation; true once it is complete (its data, its stamp
 /// and, over an emulated link, its emulated time).
-bool advance(Topology::Communicator const& comm, Pending& p, FabricEmulator* fabric) {
+bool advance(Topology::Communicator const& comm, Pending& p) {
   if (!p.data_done) {
     int flag = 0;
     KOKKOSMOE_MPI_CHECK(MPI_Test(&p.request, &flag, MPI_STATUS_IGNORE), comm.comm());
@@ -124,7 +124,7 @@ bool advance(Topology::Communicator const& comm, Pending& p, FabricEmulator* fab
     KOKKOSMOE_MPI_CHECK(MPI_Test(&p.stamp_request, &flag, MPI_STATUS_IGNORE), comm.comm());
     if (flag) {
       p.stamp_done = true;
-      if (p.receive) p.done_ns = fabric->arrive(comm.global_rank(p.peer_slot), *p.stamp);
+      if (p.receive) p.done_ns = p.stamp->arrival_ns;
     }
   }
   return p.data_done && p.stamp_done && (p.done_ns == 0 || FabricEmulator::now_ns() >= p.done_ns);
@@ -165,8 +165,8 @@ void post(Topology::Communicator const& comm, bool receive, void* buf, int count
   pending.push_back(std::move(op));
 }
 
-void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending, TransportOptions const& options) {
-  for (auto& p : pending) advance(comm, p, options.fabric.get());
+void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending) {
+  for (auto& p : pending) advance(comm, p);
 }
 
 void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending, char const* what,
@@ -180,7 +180,7 @@ void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending,
     std::int64_t next_ns = 0;  // earliest emulated completion still ahead (0: none)
     for (std::size_t i = 0; i < pending.size(); ++i) {
       if (complete[i]) continue;
-      if (advance(comm, pending[i], fabric)) {
+      if (advance(comm, pending[i])) {
         complete[i] = 1;
         ++done;
       } else if (pending[i].data_done && pending[i].stamp_done && pending[i].done_ns > 0) {

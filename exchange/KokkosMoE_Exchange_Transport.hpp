@@ -141,7 +141,7 @@ void post(Topology::Communicator const& comm, bool receive, void* buf, int count
           std::vector<Pending>& pending, TransportOptions const& options);
 
 /// Tests every request once (advances the transfers, never blocks).
-void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending, TransportOptions const& options = {});
+void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending);
 
 /// Waits for every request under the watchdog. On timeout cancels what is
 /// left and throws Error naming the communicator, this rank and the peer slots
@@ -256,7 +256,7 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     std::vector<std::uint64_t> digests;
     if (options.verify_send_rows)
       for (auto const& s : sets) digests.push_back(Impl::sent_rows_digest(s.send, s.send_runs, soff, me));
-    return RowsInFlight([state, c, options] { Impl::test_all(*c, *state, options); },
+    return RowsInFlight([state, c] { Impl::test_all(*c, *state); },
                         [state, c, sets, label, options, digests, soff, me] {
                           Impl::wait_all(*c, *state, label.c_str(), options);
                           for (std::size_t i = 0; i < digests.size(); ++i)
