@@ -398,11 +398,15 @@ void gather_trace_step(MPI_Comm comm, std::vector<std::int32_t> const& experts, 
   trace.experts.resize(at + n * all.size());
   trace.gates.resize(at + n * all.size());
   trace.logits.resize(atz + nz * all.size());
+  // (memcpy only where there is something to copy: an empty array has no data pointer)
   for (std::size_t r = 0; r < all.size(); ++r) {
     char const* p = all[r].data();
-    std::memcpy(trace.experts.data() + at + r * n, p, n * sizeof(std::int32_t));
-    std::memcpy(trace.gates.data() + at + r * n, p + n * sizeof(std::int32_t), n * sizeof(float));
-    std::memcpy(trace.logits.data() + atz + r * nz, p + n * (sizeof(std::int32_t) + sizeof(float)), nz * sizeof(float));
+    if (n > 0) {
+      std::memcpy(trace.experts.data() + at + r * n, p, n * sizeof(std::int32_t));
+      std::memcpy(trace.gates.data() + at + r * n, p + n * sizeof(std::int32_t), n * sizeof(float));
+    }
+    if (nz > 0)
+      std::memcpy(trace.logits.data() + atz + r * nz, p + n * (sizeof(std::int32_t) + sizeof(float)), nz * sizeof(float));
   }
   ++trace.steps;
 }
