@@ -16,8 +16,9 @@
 /// soon as its egress did (cut-through), so one message alone completes c
 /// after it was posted, and k messages through one NIC take at least k c. A
 /// send completes when its egress ends, a receive when its ingress ends (and
-/// the real data are there). Optionally, messages between ranks of one node pay an intra-node
-/// link the same way, with one port per rank instead of a shared NIC.
+/// the real data are there). Optionally, messages between ranks of one node
+/// pay an intra-node link the same way, with one port per rank instead of a
+/// shared NIC.
 /// Messages of a rank to itself are local copies and never emulated.
 ///
 /// What it does not model: switches and their contention, adaptive routing,
