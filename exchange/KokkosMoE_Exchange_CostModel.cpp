@@ -29,9 +29,10 @@ LinkCost link_from(json const& j, std::string const& key, std::string const& whe
   return l;
 }
 
-/// Count messages a rank of communicator `name` sends per stage: to peers
-/// of its own node and to peers on other nodes.
-std::pair<int, int> count_peers(std::string const& name, int r, Topology::Topology const& topo, Topology::CommLayout const& layout) {
+}  // namespace
+
+std::pair<int, int> count_message_peers(std::string const& name, int r, Topology::Topology const& topo,
+                                        Topology::CommLayout const& layout) {
   int const node_size = static_cast<int>(topo.ranks_of_node(topo.node_of(r)).size());
   if (name.rfind("kmoe-ep", 0) == 0) return {node_size - 1, layout.nranks - node_size};
   if (name.rfind("kmoe-node", 0) == 0) return {node_size - 1, 0};
@@ -40,8 +41,6 @@ std::pair<int, int> count_peers(std::string const& name, int r, Topology::Topolo
       if (std::find(g.begin(), g.end(), r) != g.end()) return {0, static_cast<int>(g.size()) - 1};
   return {0, 0};
 }
-
-}  // namespace
 
 CostModel CostModel::stated(FabricSpec const& fabric, CostModel const* base) {
   CostModel m = base ? *base : CostModel{};
@@ -198,21 +197,20 @@ ByteLedger predict(CostModel const& model, Topology::Topology const& topo, Topol
         KOKKOSMOE_REQUIRE(dl.stages.size() == stages.size(), "cost model: rank " << r << " has " << dl.stages.size() << " stages, rank 0 "
                                                                                   << stages.size());
         auto const& st = dl.stages[s];
-        auto const [intra_peers, inter_peers] = counts ? count_peers(st.communicator, r, topo, layout) : std::pair<int, int>{0, 0};
+        auto const [intra_peers, inter_peers] = counts ? count_message_peers(st.communicator, r, topo, layout) : std::pair<int, int>{0, 0};
         double rank_t = 0, sent = 0;  // this rank's transport seconds and bytes it sends
         LinkCost const* cost[3] = {&model.same_rank, &model.intra_node, &model.inter_node};
         for (int c = 0; c < num_link_classes; ++c) {
           auto const& cc = st.by_class[static_cast<std::size_t>(c)];
-          double const per_pair = 1.0 + (cc.meta_bytes > 0 ? 1.0 : 0.0);
           double const bytes = static_cast<double>(cc.payload_bytes + cc.meta_bytes);
-          double msgs = static_cast<double>(cc.messages) * per_pair;
+          double msgs = static_cast<double>(cc.messages);
           if (c == 1) msgs += intra_peers;
           if (c == 2) msgs += inter_peers;
           rank_t += cost[c]->seconds(msgs, bytes);
           sent += bytes;
         }
         auto const& inter = st.by_class[static_cast<std::size_t>(LinkClass::inter_node)];
-        double const inter_msgs = static_cast<double>(inter.messages) * (1.0 + (inter.meta_bytes > 0 ? 1.0 : 0.0)) + inter_peers;
+        double const inter_msgs = static_cast<double>(inter.messages) + inter_peers;
         int const nic = topo.local_rank_of(r) % std::max(1, model.nics_per_node);
         nic_busy[{topo.node_of(r), nic}] += model.nic.seconds(inter_msgs, static_cast<double>(inter.payload_bytes + inter.meta_bytes));
         rank_max = std::max(rank_max, rank_t);

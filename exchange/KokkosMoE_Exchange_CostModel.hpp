@@ -23,9 +23,10 @@
 /// dispatch: the bytes the rank sends there; the combine: every expert
 /// output row the rank holds, its dispatch's useful rows) and, in the
 /// dispatch, decoded in its last (its useful rows); relays forward encoded
-/// rows. Every (sender, receiver) pair of a stage carries one message
-/// of rows plus one of metadata where the stage has metadata, and every rank
-/// of the stage's communicator sends one count message to each of its peers.
+/// rows. The messages are the ledger's (the rows' and their metadata's,
+/// one per run where a stage sends runs separately: transfer_messages),
+/// and every rank of the stage's communicator sends one count message to
+/// each of its peers (the counts and, for runs, their lengths, one round).
 
 #include <KokkosMoE_Exchange_Fabric.hpp>
 #include <KokkosMoE_Exchange_Ledger.hpp>
@@ -90,6 +91,12 @@ struct CostModel {
 
 /// \brief Least-squares alpha and beta (both >= 0) of (bytes, seconds) points.
 LinkCost fit_alpha_beta(std::vector<std::pair<double, double>> const& points);
+
+/// \brief Peers a rank of the stage communicator `name` (a ledger stage's
+/// communicator) sends one count message to in that stage: {of its own
+/// node, on other nodes}; none where the rank is not in it ("-").
+std::pair<int, int> count_message_peers(std::string const& name, int rank, Topology::Topology const& topo,
+                                        Topology::CommLayout const& layout);
 
 /// \brief The model's stage times of an exchange: the sum of the ranks'
 /// ledgers (index = global rank) with every stage's seconds replaced by the

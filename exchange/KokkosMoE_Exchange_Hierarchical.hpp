@@ -24,7 +24,8 @@
 /// relay each source's rows for one node form one run and, at the
 /// destination relay, each origin's rows for one final rank; stages 2 and 3
 /// send those runs in place (RowRuns: one contiguous message per run, the
-/// receivers told the run lengths first), and the reverse stages receive into them in place.
+/// receivers told the run lengths with the counts, in one round), and the
+/// reverse stages receive into them in place.
 /// The start forms post the relay-to-relay stage (the inter-node one) and
 /// return: dispatch_start runs stage 1 and posts stage 2, dispatch_finish
 /// waits for it, runs stage 3 and restores the flat order; combine_start
@@ -374,9 +375,11 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     StageLedger sl{st.s2.name, relay ? comms.relay().name() : std::string("-")};
     if (relay) {
       auto const& rc = comms.relay();
+      // At most one run per source of the node and destination node.
       out = exchange_stage(exec, rc, st.s2, r1, r1_meta, transit_out, "s2", "hierarchical dispatch stage 2", flight, 0,
-                           &st.s2_runs, &st.s2_recv_runs);
-      add_sends(sl, st.s2.send_counts, rc.peer_order(), me, this->node_of_rank_, r1.row_bytes(), sizeof(RowMeta));
+                           &st.s2_runs, &st.s2_recv_runs, max_node_);
+      auto const runs = runs_per_peer(st.s2_runs);
+      add_sends(sl, st.s2.send_counts, rc.peer_order(), me, this->node_of_rank_, r1.row_bytes(), sizeof(RowMeta), &runs);
     }
     sl.seconds = lap();
     ledger.dispatch.stages.push_back(sl);
@@ -442,10 +445,12 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     }
     // Arrivals land after room for the rows kept from stage 1, so the final
     // buffer is the receive buffer (restore_flat_order fills the front).
+    // At most one run per (relay peer, origin slot): relay peers are one per node.
     auto out = exchange_stage(exec, node, st.s3, r2, r2_meta, n2, "s3", "hierarchical dispatch stage 3", nullptr, st.kept,
-                              &st.s3_runs, &st.s3_recv_runs);
+                              &st.s3_runs, &st.s3_recv_runs, this->comms_->topology().num_nodes() * M);
     StageLedger sl{st.s3.name, node.name()};
-    add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta));
+    auto const runs = runs_per_peer(st.s3_runs);
+    add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta), &runs);
     std::int64_t moved = 0;
     for (int p = 0; p < node.size(); ++p)
       if (node.global_rank(p) != me) moved += st.s3.send_counts[p];
@@ -535,7 +540,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     this->transport_->alltoallv(exec, node, {RowSet<MS>{src.bytes, s2_in_back.bytes, st.s3_recv_runs, st.s3_runs}}, s3.recv_counts,
                                 s3.send_counts, "hierarchical combine stage 3 rows", this->options());
     StageLedger sl{"relay gather (reverse of relay scatter)", node.name()};
-    add_sends(sl, s3.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0);
+    auto const runs = runs_per_peer(st.s3_recv_runs);
+    add_sends(sl, s3.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0, &runs);
     sl.seconds = lap();
     ledger.combine.stages.push_back(sl);
     return s2_in_back;
@@ -561,7 +567,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       else
         this->transport_->alltoallv(exec, rc, sets, s2.recv_counts, s2.send_counts, "hierarchical combine stage 2 rows",
                                     this->options());
-      add_sends(sl, s2.recv_counts, rc.peer_order(), this->me_, this->node_of_rank_, s2_in_back.row_bytes(), 0);
+      auto const runs = runs_per_peer(st.s2_recv_runs);
+      add_sends(sl, s2.recv_counts, rc.peer_order(), this->me_, this->node_of_rank_, s2_in_back.row_bytes(), 0, &runs);
     }
     sl.seconds = lap();
     ledger.combine.stages.push_back(sl);
@@ -583,7 +590,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     this->transport_->alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, returned.bytes, st.s1_back_runs, st.s1_return_runs}}, s1.recv_counts,
                                 s1.send_counts, "hierarchical combine stage 1 rows", this->options());
     StageLedger sl{"return from relay + node-local direct", node.name()};
-    add_sends(sl, s1.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0);
+    auto const runs = runs_per_peer(st.s1_back_runs);
+    add_sends(sl, s1.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0, &runs);
     ledger.combine.stages.push_back(sl);
     // The reverse stages move the same relay rows as their dispatch mirrors
     // (attributed to this rank's dispatch role; sums over ranks agree).
@@ -617,9 +625,16 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
                                                          PayloadBuffer<MS> const& send, meta_view const& send_meta, index_t count,
                                                          std::string const& key, std::string const& what,
                                                          RowsInFlight* flight = nullptr, index_t front = 0,
-                                                         RowRuns const* runs = nullptr, RowRuns* recv_runs = nullptr) {
-    stage.recv_counts = agree_counts(comm, stage.send_counts, count, nullptr, (what + " counts").c_str(), this->options()).recv;
-    if (runs) *recv_runs = consecutive_runs(exchange_run_lengths(comm, *runs, (what + " runs").c_str(), this->options()));
+                                                         RowRuns const* runs = nullptr, RowRuns* recv_runs = nullptr,
+                                                         int max_runs = 0) {
+    if (runs) {
+      // Counts and run lengths in one round (one latency on the relay link).
+      auto agreed = agree_counts_and_runs(comm, stage.send_counts, count, *runs, max_runs, (what + " counts").c_str(), this->options());
+      stage.recv_counts = std::move(agreed.recv);
+      *recv_runs = consecutive_runs(agreed.recv_run_lengths);
+    } else {
+      stage.recv_counts = agree_counts(comm, stage.send_counts, count, nullptr, (what + " counts").c_str(), this->options()).recv;
+    }
     index_t const n = Impl::total(stage.recv_counts);
     auto recv = payload_buffer(this->work_, exec, key + "_recv", send.type, send.width, front + n);
     auto recv_meta = this->work_.template vector<RowMeta>(exec, key + "_recv_meta", front + n);

@@ -239,8 +239,10 @@ void check_inter_node_equal(ByteLedger const& flat, ByteLedger const& hier) {
 }
 
 void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::vector<int> const& peer_global, int me,
-               std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes) {
+               std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes,
+               std::vector<std::int64_t> const* runs) {
   KOKKOSMOE_REQUIRE(rows.size() == peer_global.size(), "ledger: " << rows.size() << " counts for " << peer_global.size() << " peers");
+  KOKKOSMOE_REQUIRE(!runs || runs->size() == rows.size(), "ledger: " << runs->size() << " run counts for " << rows.size() << " peers");
   for (std::size_t p = 0; p < rows.size(); ++p) {
     if (rows[p] == 0) continue;
     int const g = peer_global[p];
@@ -252,7 +254,8 @@ void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::v
     x.rows += rows[p];
     x.payload_bytes += rows[p] * row_bytes;
     x.meta_bytes += rows[p] * meta_row_bytes;
-    x.messages += 1;
+    std::int64_t const n = runs ? (*runs)[p] : 1;
+    x.messages += transfer_messages(n, rows[p], row_bytes) + (meta_row_bytes > 0 ? transfer_messages(n, rows[p], meta_row_bytes) : 0);
   }
 }
 

@@ -35,7 +35,12 @@ struct ClassCounts {
   std::int64_t rows = 0;
   std::int64_t payload_bytes = 0;
   std::int64_t meta_bytes = 0;
-  std::int64_t messages = 0;  ///< directed (sender, receiver) pairs with rows
+  /// Messages the rows travel in (local copies for same_rank): per
+  /// (sender, receiver) pair with rows, the payload's and, where rows carry
+  /// metadata, the metadata's, each one message or one per run when a
+  /// stage sends runs separately (transfer_messages). Count agreements are
+  /// not rows and not counted here.
+  std::int64_t messages = 0;
 };
 
 /// \brief One stage of one direction (e.g. "gather to relay").
@@ -102,10 +107,24 @@ struct ByteLedger {
 /// bytes equal the flat one's in both directions (same routes).
 void check_inter_node_equal(ByteLedger const& flat, ByteLedger const& hierarchical);
 
+/// \brief Messages that carry `rows` rows of `row_bytes` bytes laid out in
+/// `runs` separate runs (> 0 rows each) from one rank to one peer: one
+/// contiguous message per run, so that large runs take an MPI's single-copy
+/// path, unless the runs average under 64 KiB; then one message of an
+/// indexed datatype (the MPI packs them). The transport sends runs by this
+/// rule and the planner predicts it.
+inline std::int64_t transfer_messages(std::int64_t runs, std::int64_t rows, std::int64_t row_bytes) {
+  if (rows <= 0 || runs <= 0) return 0;
+  return runs > 1 && rows * row_bytes < runs * (std::int64_t(64) << 10) ? 1 : runs;
+}
+
 /// \brief Adds one stage's moves to `stage` from this rank's perspective:
 /// rows[p] rows go to peer p (global rank peer_global[p]); me is the sender.
+/// runs[p] (when given) is the number of runs those rows travel in (see
+/// transfer_messages), 1 otherwise.
 void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::vector<int> const& peer_global, int me,
-               std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes);
+               std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes,
+               std::vector<std::int64_t> const* runs = nullptr);
 
 }  // namespace Exchange
 }  // namespace KokkosMoE

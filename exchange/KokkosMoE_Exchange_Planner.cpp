@@ -139,6 +139,54 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
       s2[static_cast<std::size_t>(r)][static_cast<std::size_t>(r2)] += n;
       s3[static_cast<std::size_t>(r2)][static_cast<std::size_t>(d)] += n;
     }
+  // Runs, as HierarchicalExchange sends them (messages: transfer_messages).
+  // Stage 2: per relay peer, one run per (source feeding the relay,
+  // destination node). Stage 3: per final rank, one run per origin. The
+  // reverse stages return in the same runs; the last one into the origin's
+  // plan order: per node peer x, the destinations x carries in stage-1
+  // order (node, node-local slot), one run per stretch of them that is also
+  // consecutive in the plan's order (EP peer order, empty destinations
+  // skipped).
+  Matrix runs1 = s1, runs2 = s1, runs3 = s1;
+  for (auto* m : {&runs1, &runs2, &runs3})
+    for (auto& row : *m) std::fill(row.begin(), row.end(), 0);
+  std::vector<int> group_slot(static_cast<std::size_t>(N), 0);
+  for (auto const& g : layout.node_groups)
+    for (std::size_t i = 0; i < g.size(); ++i) group_slot[static_cast<std::size_t>(g[i])] = static_cast<int>(i);
+  for (int s = 0; s < N; ++s) {
+    auto const& cs = c[static_cast<std::size_t>(s)];
+    int const a = nor[static_cast<std::size_t>(s)];
+    for (int b = 0; b < nodes; ++b) {
+      if (b == a) continue;
+      std::int64_t t = 0;
+      for (int d : topo.ranks_of_node(b)) t += cs[static_cast<std::size_t>(d)];
+      if (t > 0) runs2[static_cast<std::size_t>(relay_of(s))][static_cast<std::size_t>(layout.relays[static_cast<std::size_t>(b)][static_cast<std::size_t>(rail_of(s))])] += 1;
+    }
+    for (int d = 0; d < N; ++d) {
+      int const b = nor[static_cast<std::size_t>(d)];
+      if (b != a && cs[static_cast<std::size_t>(d)] > 0)
+        runs3[static_cast<std::size_t>(layout.relays[static_cast<std::size_t>(b)][static_cast<std::size_t>(rail_of(s))])][static_cast<std::size_t>(d)] += 1;
+    }
+    // Destinations in plan order, and the one after each (non-empty).
+    std::vector<int> next(static_cast<std::size_t>(N), -1);
+    int prev = -1;
+    for (int d : layout.ep_order) {
+      if (cs[static_cast<std::size_t>(d)] == 0) continue;
+      if (prev >= 0) next[static_cast<std::size_t>(prev)] = d;
+      prev = d;
+    }
+    std::vector<std::pair<std::pair<int, int>, int>> order;  // ((node, node-local slot), destination)
+    for (int d = 0; d < N; ++d)
+      if (cs[static_cast<std::size_t>(d)] > 0) order.push_back({{nor[static_cast<std::size_t>(d)], group_slot[static_cast<std::size_t>(d)]}, d});
+    std::sort(order.begin(), order.end());
+    std::vector<int> last(static_cast<std::size_t>(N), -1);  // per node peer: the destination its last run ends with
+    for (auto const& [key, d] : order) {
+      int const x = nor[static_cast<std::size_t>(d)] == a ? d : relay_of(s);
+      auto& l = last[static_cast<std::size_t>(x)];
+      if (l < 0 || next[static_cast<std::size_t>(l)] != d) runs1[static_cast<std::size_t>(s)][static_cast<std::size_t>(x)] += 1;
+      l = d;
+    }
+  }
   std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::hierarchical, in));
   for (int me = 0; me < N; ++me) {
     auto& l = out[static_cast<std::size_t>(me)];
@@ -164,10 +212,12 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
     StageLedger d2{"relay to relay", rail >= 0 ? "kmoe-relay" + std::to_string(rail) : std::string("-")};
     if (rail >= 0) {
       auto const& rg = layout.relay_groups[static_cast<std::size_t>(rail)];
-      add_sends(d2, in_order(s2[static_cast<std::size_t>(me)], rg), rg, me, nor, l.row_bytes, l.meta_row_bytes);
+      auto const runs = in_order(runs2[static_cast<std::size_t>(me)], rg);
+      add_sends(d2, in_order(s2[static_cast<std::size_t>(me)], rg), rg, me, nor, l.row_bytes, l.meta_row_bytes, &runs);
     }
     StageLedger d3{"relay scatter", node_name};
-    add_sends(d3, in_order(s3[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes);
+    auto const runs_d3 = in_order(runs3[static_cast<std::size_t>(me)], group);
+    add_sends(d3, in_order(s3[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes, &runs_d3);
     std::int64_t moved = 0;
     for (int x : group)
       if (x != me) moved += s3[static_cast<std::size_t>(me)][static_cast<std::size_t>(x)];
@@ -177,14 +227,17 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
     for (int s = 0; s < N; ++s) l.dispatch.useful_rows += c[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
     // Combine: the reverse stages send back what each stage received.
     StageLedger c3{"relay gather (reverse of relay scatter)", node_name};
-    add_sends(c3, in_order(column(s3), group), group, me, nor, l.combine_row_bytes, 0);
+    auto const runs_c3 = in_order(column(runs3), group);
+    add_sends(c3, in_order(column(s3), group), group, me, nor, l.combine_row_bytes, 0, &runs_c3);
     StageLedger c2{"relay to relay (reverse)", d2.communicator};
     if (rail >= 0) {
       auto const& rg = layout.relay_groups[static_cast<std::size_t>(rail)];
-      add_sends(c2, in_order(column(s2), rg), rg, me, nor, l.combine_row_bytes, 0);
+      auto const runs = in_order(column(runs2), rg);
+      add_sends(c2, in_order(column(s2), rg), rg, me, nor, l.combine_row_bytes, 0, &runs);
     }
     StageLedger c1{"return from relay + node-local direct", node_name};
-    add_sends(c1, in_order(column(s1), group), group, me, nor, l.combine_row_bytes, 0);
+    auto const runs_c1 = in_order(column(runs1), group);
+    add_sends(c1, in_order(column(s1), group), group, me, nor, l.combine_row_bytes, 0, &runs_c1);
     l.combine.stages = {c3, c2, c1};
     for (std::size_t i = 0; i < 3; ++i) {
       l.combine.stages[i].relay_rows = l.dispatch.stages[2 - i].relay_rows;

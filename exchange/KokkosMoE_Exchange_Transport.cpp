@@ -1,9 +1,11 @@
+#include <KokkosMoE_Exchange_Ledger.hpp>
 #include <KokkosMoE_Exchange_Transport.hpp>
 
 #if KOKKOSMOE_HAVE_MPIX_QUERY_CUDA_SUPPORT && __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <set>
@@ -65,11 +67,10 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
     roff[p + 1] = roff[p] + recv_counts[p];
     soff[p + 1] = soff[p] + send_counts[p];
   }
-  // Runs of a peer travel as one message per run (MPI keeps the order of
-  // messages between two ranks with one tag), each contiguous, so that large
-  // runs take the MPI's single-copy path; runs averaging under 64 KiB go as
-  // one message of an indexed datatype instead (the MPI packs them). Both
-  // sides see the same run lengths, so they choose alike.
+  // Runs of a peer travel as transfer_messages says: one contiguous message
+  // per run (MPI keeps the order of messages between two ranks with one
+  // tag), or one message of an indexed datatype. Both sides see the same
+  // run lengths, so they choose alike.
   auto post = [&](bool receive, unsigned char* base, std::vector<std::pair<index_t, index_t>> const& runs, int p) {
     std::size_t rows = 0, count = 0;
     for (auto const& [first, n] : runs)
@@ -78,7 +79,8 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
         ++count;
       }
     auto issue = [&](void* buf, int n, MPI_Datatype type) { Impl::post(comm, receive, buf, n, type, p, tag, pending, options); };
-    if (count > 1 && rows * row_bytes < count * (std::size_t(64) << 10)) {
+    if (count > 1 && transfer_messages(static_cast<std::int64_t>(count), static_cast<std::int64_t>(rows),
+                                       static_cast<std::int64_t>(row_bytes)) == 1) {
       std::vector<int> lengths, displs;
       for (auto const& [first, n] : runs)
         if (n > 0) {
@@ -237,11 +239,17 @@ void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending,
 
 }  // namespace Impl
 
-AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
-                          index_t rows_available, std::vector<index_t> const* expected_recv, char const* what,
-                          TransportOptions const& options, std::string const& local_problem) {
+namespace {
+
+/// The agreement behind agree_counts and agree_counts_and_runs. Every peer
+/// gets one message of `width` int64: the count, then (width > 1) the number
+/// of runs and their lengths, zero-padded.
+AgreedCounts agree_counts_impl(Topology::Communicator const& comm, std::vector<index_t> const& send_split, index_t rows_available,
+                               std::vector<index_t> const* expected_recv, RowRuns const* send_runs, int max_runs, char const* what,
+                               TransportOptions const& options, std::string const& local_problem) {
   int const P = comm.size();
   int const me = comm.my_slot();
+  std::size_t const width = send_runs ? 2 + static_cast<std::size_t>(max_runs) : 1;
   AgreedCounts agreed;
   agreed.send = send_split;
   agreed.recv.assign(static_cast<std::size_t>(P), 0);
@@ -249,28 +257,63 @@ AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_
   if (problem.empty() && static_cast<int>(send_split.size()) != P) {
     problem = "send split has " + std::to_string(send_split.size()) + " entries for " + std::to_string(P) + " peers";
   }
-  // Exchange the counts point to point (every peer, zero counts included), so
-  // the watchdog can name a peer that never arrives.
-  std::vector<index_t> out(static_cast<std::size_t>(P), 0);
-  if (problem.empty()) out = send_split;
-  std::vector<Impl::Pending> pending;
-  for (int p = 0; p < P; ++p) {
-    if (p == me) {
-      agreed.recv[p] = out[p];
-      continue;
+  if (problem.empty() && send_runs) {
+    std::ostringstream os;
+    if (max_runs < 0) os << "a bound of " << max_runs << " runs per peer; ";
+    if (static_cast<int>(send_runs->size()) != P) os << "runs for " << send_runs->size() << " peers of " << P << "; ";
+    for (std::size_t p = 0; os.tellp() == 0 && p < send_runs->size(); ++p) {
+      index_t total = 0, n = 0;
+      for (auto const& [first, len] : (*send_runs)[p])
+        if (len > 0) {
+          total += len;
+          ++n;
+        }
+      if (n > max_runs) os << n << " runs for peer slot " << p << ", at most " << max_runs << " may be announced; ";
+      if (total != send_split[p]) os << "the runs for peer slot " << p << " hold " << total << " rows, its count is " << send_split[p] << "; ";
     }
-    Impl::post(comm, true, &agreed.recv[p], 1, MPI_INT64_T, p, 6999, pending, options);
+    problem = os.str();
   }
+  // One message to every peer (zero counts included), point to point, so the
+  // watchdog can name a peer that never arrives.
+  std::vector<std::int64_t> out(static_cast<std::size_t>(P) * width, 0), in(static_cast<std::size_t>(P) * width, 0);
+  if (problem.empty())
+    for (int p = 0; p < P; ++p) {
+      auto* o = &out[static_cast<std::size_t>(p) * width];
+      o[0] = send_split[p];
+      if (!send_runs) continue;
+      for (auto const& [first, len] : (*send_runs)[p])
+        if (len > 0) o[2 + o[1]++] = len;
+    }
+  std::vector<Impl::Pending> pending;
+  int const n = static_cast<int>(width);
   for (int p = 0; p < P; ++p)
-    if (p != me) Impl::post(comm, false, &out[p], 1, MPI_INT64_T, p, 6999, pending, options);
+    if (p != me) Impl::post(comm, true, &in[static_cast<std::size_t>(p) * width], n, MPI_INT64_T, p, 6999, pending, options);
+  for (int p = 0; p < P; ++p)
+    if (p != me) Impl::post(comm, false, &out[static_cast<std::size_t>(p) * width], n, MPI_INT64_T, p, 6999, pending, options);
+  std::copy_n(&out[static_cast<std::size_t>(me) * width], width, &in[static_cast<std::size_t>(me) * width]);
   Impl::wait_all(comm, pending, what, options);
 
   if (problem.empty()) {
     std::ostringstream os;
     index_t total = 0;
     for (int p = 0; p < P; ++p) {
+      auto const* i = &in[static_cast<std::size_t>(p) * width];
+      agreed.recv[p] = i[0];
       if (send_split[p] < 0) os << "negative count " << send_split[p] << " for peer slot " << p << "; ";
       total += send_split[p];
+      if (!send_runs) continue;
+      std::vector<index_t> lengths;
+      index_t sum = 0;
+      bool ok = i[1] >= 0 && i[1] <= max_runs;
+      for (std::int64_t k = 0; ok && k < i[1]; ++k) {
+        ok = i[2 + k] > 0;
+        lengths.push_back(i[2 + k]);
+        sum += i[2 + k];
+      }
+      if (!ok || sum != i[0])
+        os << "rank " << comm.global_rank(p) << " (slot " << p << ") announced " << i[0] << " rows in " << i[1]
+           << " runs that do not add up; ";
+      agreed.recv_run_lengths.push_back(std::move(lengths));
     }
     if (total != rows_available)
       os << "send split adds up to " << total << " rows but " << rows_available << " rows are ready to send; ";
@@ -291,6 +334,20 @@ AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_
   agree(comm.comm(), problem.empty() ? problem : std::string(what) + ": count agreement failed on rank " + std::to_string(world) + ": " + problem,
         "count agreement", options.watchdog_seconds);
   return agreed;
+}
+
+}  // namespace
+
+AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
+                          index_t rows_available, std::vector<index_t> const* expected_recv, char const* what,
+                          TransportOptions const& options, std::string const& local_problem) {
+  return agree_counts_impl(comm, send_split, rows_available, expected_recv, nullptr, 0, what, options, local_problem);
+}
+
+AgreedCounts agree_counts_and_runs(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
+                                   index_t rows_available, RowRuns const& send_runs, int max_runs, char const* what,
+                                   TransportOptions const& options) {
+  return agree_counts_impl(comm, send_split, rows_available, nullptr, &send_runs, max_runs, what, options, {});
 }
 
 bool transport_available(TransportKind kind) { return transport_unavailable_reason(kind).empty(); }

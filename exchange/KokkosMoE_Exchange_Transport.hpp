@@ -39,6 +39,14 @@ namespace Exchange {
 /// segments are contiguous, in peer order, sized by the counts.
 using RowRuns = std::vector<std::vector<std::pair<index_t, index_t>>>;
 
+/// \brief Runs with rows, per peer (what a ledger needs to count messages).
+inline std::vector<std::int64_t> runs_per_peer(RowRuns const& runs) {
+  std::vector<std::int64_t> n(runs.size(), 0);
+  for (std::size_t p = 0; p < runs.size(); ++p)
+    for (auto const& r : runs[p]) n[p] += r.second > 0 ? 1 : 0;
+  return n;
+}
+
 /// \brief Rows of one buffer pair moved by one all-to-all: send rows leave in
 /// peer-slot order (segments by send counts), recv rows arrive grouped by
 /// source peer slot (segments by recv counts). Both views are [rows, bytes].
@@ -348,6 +356,9 @@ RowRuns consecutive_runs(std::vector<std::vector<index_t>> const& lengths);
 struct AgreedCounts {
   std::vector<index_t> send;  ///< rows this rank sends to each peer slot
   std::vector<index_t> recv;  ///< rows each peer slot says it sends to this rank
+  /// With runs (agree_counts_and_runs): the lengths of the runs each peer
+  /// slot will send this rank, in order (the rank's own runs for itself).
+  std::vector<std::vector<index_t>> recv_run_lengths;
 };
 
 /// \brief Collective over comm: every rank tells each peer how many rows it
@@ -359,6 +370,17 @@ struct AgreedCounts {
 AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
                           index_t rows_available, std::vector<index_t> const* expected_recv, char const* what,
                           TransportOptions const& options = {}, std::string const& local_problem = {});
+
+/// \brief agree_counts and exchange_run_lengths in one round: each peer gets
+/// one message holding the count and the lengths of the runs this rank will
+/// send it (at most max_runs runs per peer, a bound every rank knows, so the
+/// messages have one fixed size and a receiver needs no second round). A
+/// rank with more runs for a peer, runs that do not add up to its count, or
+/// a receiver that finds either in what arrived, fails the agreement on every
+/// rank, naming the ranks; no payload moves before this returns.
+AgreedCounts agree_counts_and_runs(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
+                                   index_t rows_available, RowRuns const& send_runs, int max_runs, char const* what,
+                                   TransportOptions const& options = {});
 
 }  // namespace Exchange
 }  // namespace KokkosMoE

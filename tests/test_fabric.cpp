@@ -23,10 +23,10 @@ using MS = Exec::memory_space;
 
 namespace {
 
-std::string deck_text(std::string const& algorithm, std::string const& fabric) {
+std::string deck_text(std::string const& algorithm, std::string const& fabric, int hidden = 16) {
   std::ostringstream os;
   os << "[run]\nseed = 5\n"
-     << "[model]\nhidden = 16\nexperts = 8\ntop_k = 2\nffn = 24\ndtype = \"fp32\"\npayload = \"fp32\"\nreturn_payload = \"fp32\"\n"
+     << "[model]\nhidden = " << hidden << "\nexperts = 8\ntop_k = 2\nffn = 24\ndtype = \"fp32\"\npayload = \"fp32\"\nreturn_payload = \"fp32\"\n"
      << "[router]\nscore = \"softmax\"\nnormalize = true\ngemm = \"generic\"\n"
      << "[tokens]\nper_rank = 24\nsource = \"router\"\n"
      << "[topology]\nlayout = \"virtual\"\nnodes = 2\n"
@@ -153,6 +153,42 @@ TEST_CASE("layer outputs with an emulated fabric equal outputs without, bit for 
   }
 }
 
+TEST_CASE("the ledger counts the messages an exchange posts", "[fabric][mpi]") {
+  // The emulated fabric counts every message a rank posts across nodes; the
+  // ledger's inter-node messages plus one count message per inter-node peer
+  // of each counted stage must be exactly that, for narrow rows (runs packed
+  // into one message) and wide ones (runs of 16 KiB rows and more sent one
+  // by one), so the cost model prices the messages that really move.
+  MPI_Comm const world = MPI_COMM_WORLD;
+  int const P = comm_size(world), rank = comm_rank(world);
+  for (std::string algorithm : {"flat", "hierarchical", "pooled_wave"})
+    for (int hidden : {16, 4096}) {
+      INFO(algorithm << " hidden " << hidden << " np " << P);
+      auto const deck = parse_layer_deck("fabric-test", deck_text(algorithm, "inter_latency_us = 1\ninter_bandwidth_gbps = 100\n", hidden), P);
+      auto run = Setup::make_run(deck, world);
+      REQUIRE(run.config.exchange.fabric);
+      Exec exec;
+      MoELayer<float, Exec, MS> layer(run.config, *run.comms, run.placement, Setup::router_weight<float, MS>(deck),
+                                      Setup::routed_weights<float, MS>(exec, deck, run, rank, world));
+      index_t const T = Setup::tokens_per_rank(deck);
+      auto const x = Setup::hidden_rows<float, MS>(deck, 0, Setup::first_token(deck, rank), T, rank);
+      RowMatrix<float, MS> out("out", T, deck.model.hidden);
+      auto const before = run.config.exchange.fabric->stats().messages[static_cast<int>(Exchange::FabricLink::inter)];
+      auto const rec = layer.forward(exec, x, out);
+      auto const sent = run.config.exchange.fabric->stats().messages[static_cast<int>(Exchange::FabricLink::inter)] - before;
+      std::int64_t expected = 0;
+      for (auto const* d : {&rec.ledger.dispatch, &rec.ledger.combine})
+        for (auto const& st : d->stages) {
+          expected += st.by_class[static_cast<int>(Exchange::LinkClass::inter_node)].messages;
+          if (algorithm != "pooled_wave") expected += Exchange::count_message_peers(st.communicator, rank, run.topology, run.comms->layout()).second;
+        }
+      CHECK(sent == expected);
+      std::int64_t all = 0;  // not every rank sends across nodes (hierarchical: relays only)
+      MPI_Allreduce(&sent, &all, 1, MPI_INT64_T, MPI_SUM, world);
+      if (P > 1) CHECK(all > 0);
+    }
+}
+
 TEST_CASE("fabric decks: bad values are refused naming the key", "[fabric][deck]") {
   auto refused = [](std::string const& fabric, std::string const& extra, std::string const& message) {
     INFO(fabric << extra);
@@ -198,8 +234,8 @@ TEST_CASE("cost model: alpha-beta fit, stage prediction, files", "[fabric][model
     Exchange::StageLedger st{"all-to-all", "kmoe-ep"};
     auto& intra = st.by_class[1];
     auto& inter = st.by_class[2];
-    intra = {100, 100000, 800, 1};
-    inter = {200, 200000, 1600, 2};
+    intra = {100, 100000, 800, 2};  // messages: payload and metadata
+    inter = {200, 200000, 1600, 4};
     L.dispatch.stages.push_back(st);
   }
   Exchange::CostModel model;
