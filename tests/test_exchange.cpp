@@ -764,6 +764,35 @@ TEST_CASE("a send buffer reused before its transfer completed is caught when sen
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+TEST_CASE("counts and run lengths agreed in one round: bad announcements fail every rank", "[exchange][transport][errors]") {
+  auto topo = nodes_of(1);
+  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  auto const& ep = comms.ep();
+  int const P = ep.size();
+  std::vector<index_t> counts(static_cast<std::size_t>(P), 3);
+  RowRuns runs(static_cast<std::size_t>(P));
+  for (int p = 0; p < P; ++p) runs[static_cast<std::size_t>(p)] = {{3 * p, 1}, {3 * p + 1, 2}};
+  // Two runs for every peer: announced within a bound of 2; a bound of 1 and
+  // runs that do not hold their count fail on every rank, naming the call.
+  auto const ok = agree_counts_and_runs(ep, counts, 3 * P, runs, 2, "good runs");
+  CHECK(ok.recv_run_lengths.at(0) == std::vector<index_t>{1, 2});
+  std::vector<index_t> short_counts = counts;
+  short_counts[0] = 2;  // runs of slot 0 hold 3 rows
+  auto const fails = [&](std::vector<index_t> const& c, index_t rows, int max_runs, std::string const& text) {
+    try {
+      agree_counts_and_runs(ep, c, rows, runs, max_runs, "bad runs");
+      FAIL("no error");
+    } catch (CollectiveError const& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find(text) != std::string::npos);
+      CHECK(std::string(e.what()).find("bad runs") != std::string::npos);
+    }
+  };
+  fails(counts, 3 * P, 1, "at most 1 may be announced");
+  fails(short_counts, 3 * P - 1, 2, "the runs for peer slot 0 hold 3 rows, its count is 2");
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 TEST_CASE("rows given as runs leave from and arrive at their places, small runs and large", "[exchange][transport]") {
   // Every rank sends each peer 3 runs of its rows taken back to front, and
   // receives each peer's rows into 3 runs placed back to front as well; run
@@ -791,12 +820,16 @@ TEST_CASE("rows given as runs leave from and arrive at their places, small runs 
       send_runs[static_cast<std::size_t>(p)] = {{b + 6, 1}, {b + 4, 2}, {b, 4}};
     }
     auto const lengths = exchange_run_lengths(ep, send_runs, "test runs");
+    std::vector<index_t> counts(static_cast<std::size_t>(P), per);
+    // The counts and the run lengths in one round tell the same.
+    auto const agreed = agree_counts_and_runs(ep, counts, P * per, send_runs, 3, "test counts and runs");
+    CHECK(agreed.recv == counts);
+    CHECK(agreed.recv_run_lengths == lengths);
     for (int p = 0; p < P; ++p) {
       CHECK(lengths[static_cast<std::size_t>(p)] == std::vector<index_t>{1, 2, 4});
       index_t const b = (P - 1 - p) * per;  // peers' rows land back to front, each run reversed in place
       recv_runs[static_cast<std::size_t>(p)] = {{b + 6, 1}, {b + 4, 2}, {b, 4}};
     }
-    std::vector<index_t> counts(static_cast<std::size_t>(P), per);
     MpiTransport<Exec, MS> mpi;
     mpi.alltoallv(exec, ep, {RowSet<MS>{send, recv, send_runs, recv_runs}}, counts, counts, "runs", TransportOptions{});
     auto hr = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recv);
