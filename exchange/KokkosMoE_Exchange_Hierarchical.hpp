@@ -292,11 +292,11 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
                   "KokkosMoE::HierarchicalExchange::pack");
       gather_records(exec, meta, perm1, send_meta, "KokkosMoE::HierarchicalExchange::pack_meta");
     }
-    auto out = exchange_stage(exec, node, st.s1, send, send_meta, n0, "s1", "hierarchical dispatch stage 1");
-    // Each peer learns the run lengths its returned rows must have (the
-    // combine's last stage sends them in those runs).
-    st.s1_back_runs =
-        consecutive_runs(exchange_run_lengths(node, st.s1_return_runs, "hierarchical dispatch stage 1 return runs", this->options()));
+    // With the counts, each peer learns the run lengths its returned rows
+    // must have (the combine's last stage sends them in those runs): at
+    // most one run per destination rank. The rows themselves go contiguous.
+    auto out = exchange_stage(exec, node, st.s1, send, send_meta, n0, "s1", "hierarchical dispatch stage 1", nullptr, 0,
+                              &st.s1_return_runs, &st.s1_back_runs, this->comms_->topology().size(), /*send_in_runs=*/false);
     StageLedger sl{st.s1.name, node.name()};
     add_sends(sl, st.s1.send_counts, node.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta));
     // Transit rows sent to a relay other than this rank are relay traffic.
@@ -620,13 +620,16 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   /// One dispatch stage's transport: the rows and metadata in the stage's
   /// send order go to their peers of comm after the counts are agreed;
   /// returns what arrived (after `front` rows left for the caller) and
-  /// records the receive counts.
+  /// records the receive counts. With runs (at most max_runs per peer),
+  /// their lengths travel with the counts, one round, and recv_runs gets
+  /// the peers' runs laid out one after the other; the rows travel in
+  /// those runs unless send_in_runs is false (runs only announced).
   std::pair<PayloadBuffer<MS>, meta_view> exchange_stage(Exec const& exec, Topology::Communicator const& comm, StageRecord<MS>& stage,
                                                          PayloadBuffer<MS> const& send, meta_view const& send_meta, index_t count,
                                                          std::string const& key, std::string const& what,
                                                          RowsInFlight* flight = nullptr, index_t front = 0,
                                                          RowRuns const* runs = nullptr, RowRuns* recv_runs = nullptr,
-                                                         int max_runs = 0) {
+                                                         int max_runs = 0, bool send_in_runs = true) {
     if (runs) {
       // Counts and run lengths in one round (one latency on the relay link).
       auto agreed = agree_counts_and_runs(comm, stage.send_counts, count, *runs, max_runs, (what + " counts").c_str(), this->options());
@@ -641,8 +644,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto const arrivals = suffix(recv, front);
     meta_view const arrivals_meta = Kokkos::subview(recv_meta, std::pair<index_t, index_t>(front, front + n));
     RowRuns const none;
-    RowRuns const& r = runs ? *runs : none;
-    RowRuns const& rr = runs ? *recv_runs : none;
+    RowRuns const& r = runs && send_in_runs ? *runs : none;
+    RowRuns const& rr = runs && send_in_runs ? *recv_runs : none;
     std::vector<RowSet<MS>> const sets{RowSet<MS>{send.bytes, arrivals.bytes, r, rr},
                                        RowSet<MS>{as_rows(send_meta), as_rows(arrivals_meta), r, rr}};
     if (flight)
