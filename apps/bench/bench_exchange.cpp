@@ -63,6 +63,7 @@ int run(int argc, char** argv) {
   int tokens = 4096, top_k = 8, width = 2048, experts = 64, reps = 7, waves = 4;
   double sender_cf = 1.25, receiver_cf = 1.5;
   std::string transport = "mpi";
+  std::vector<std::string> algorithms{"flat", "hierarchical", "pooled_wave"};
   app.add_option("--tokens", tokens, "tokens per rank")->check(CLI::NonNegativeNumber);
   app.add_option("--top-k", top_k, "routes per token")->check(CLI::PositiveNumber);
   app.add_option("--width", width, "hidden width d")->check(CLI::PositiveNumber);
@@ -73,6 +74,9 @@ int run(int argc, char** argv) {
   app.add_option("--receiver-cf", receiver_cf, "pooled-wave receiver capacity factor");
   app.add_option("--transport", transport, "how rows move: mpi, or nccl (CUDA builds with NCCL)")
       ->check(CLI::IsMember({"mpi", "nccl"}));
+  app.add_option("--algorithms", algorithms, "exchange algorithms to time (comma-separated)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"flat", "hierarchical", "pooled_wave"}));
   try {
     app.parse(argc, argv);
   } catch (CLI::ParseError const& e) {
@@ -154,7 +158,8 @@ int run(int argc, char** argv) {
   config.transport = from_string<Exchange::TransportKind>(transport);
   config.top_k = top_k;
   PayloadBuffer<MS> returned(exec, "bench::returned", PayloadType::bf16, width, plan.rows());
-  for (auto const algorithm : {Exchange::Algorithm::flat, Exchange::Algorithm::hierarchical, Exchange::Algorithm::pooled_wave}) {
+  for (auto const& name : algorithms) {
+    auto const algorithm = from_string<Exchange::Algorithm>(name);
     config.algorithm = algorithm;
     auto x = Exchange::make_exchange<bf16_t, Exec, MS>(comms, placement, config);
     Exchange::ByteLedger ledger;
