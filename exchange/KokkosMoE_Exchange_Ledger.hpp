@@ -38,8 +38,9 @@ struct ClassCounts {
   /// Messages the rows travel in (local copies for same_rank): per
   /// (sender, receiver) pair with rows, the payload's and, where rows carry
   /// metadata, the metadata's, each one message or one per run when a
-  /// stage sends runs separately (transfer_messages). Count agreements are
-  /// not rows and not counted here.
+  /// stage sends runs separately (transfer_messages: the MPI transport's
+  /// rule; NCCL sends every run on its own). Count agreements are not rows
+  /// and not counted here.
   std::int64_t messages = 0;
 };
 
