@@ -238,19 +238,18 @@ def sweep_plot(table, out):
             if any(y is not None for y in ys):
                 pts = [(x, 1e3 * y) for x, y in zip(xs, ys) if y is not None]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=f"{a} ({what})")
+    if numeric and min(xs) > 0 and max(xs) / min(xs) >= 20:
+        ax.set_xscale("log")
     # The last crossover of each class: past it the order no longer changes.
-    for n, (field, ls) in enumerate((("total_s", ":"), ("model_total_s", "-."))):
+    for field, ls in (("total_s", ":"), ("model_total_s", "-.")):
         a, b = series.get(("flat", field)), series.get(("hierarchical", field))
         if a and b and numeric:
             found = crossovers(xs, a, b)
             if found:
                 x = found[-1]
                 what = "model" if field.startswith("model") else table.get("evidence", "measured")
-                ax.axvline(x, color="gray", linestyle=ls, linewidth=1)
-                ax.annotate(f"crossover ({what}): {key} ~ {x:.3g}", xy=(x, 0.97 - 0.07 * n), xycoords=("data", "axes fraction"),
-                            fontsize=7, ha="left", va="top", xytext=(3, 0), textcoords="offset points")
-    if numeric and min(xs) > 0 and max(xs) / min(xs) >= 20:
-        ax.set_xscale("log")
+                # Named in the legend: a label on the plot would cross the curves.
+                ax.axvline(x, color="gray", linestyle=ls, linewidth=1, label=f"crossover ({what}): {key} ~ {x:.3g}")
     if not numeric:
         ax.set_xticks(xs)
         ax.set_xticklabels(order)
