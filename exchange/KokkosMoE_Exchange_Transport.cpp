@@ -362,37 +362,6 @@ std::string transport_unavailable_reason(TransportKind kind) {
 #endif
 }
 
-std::vector<std::vector<index_t>> exchange_run_lengths(Topology::Communicator const& comm, RowRuns const& send_runs,
-                                                       char const* what, TransportOptions const& options) {
-  int const P = comm.size();
-  int const me = comm.my_slot();
-  KOKKOSMOE_REQUIRE(static_cast<int>(send_runs.size()) == P, what << ": runs for " << send_runs.size() << " peers of " << comm.name());
-  std::vector<std::vector<index_t>> out(static_cast<std::size_t>(P)), in(static_cast<std::size_t>(P));
-  std::vector<index_t> out_n(static_cast<std::size_t>(P)), in_n(static_cast<std::size_t>(P), 0);
-  for (int p = 0; p < P; ++p) {
-    for (auto const& [first, n] : send_runs[static_cast<std::size_t>(p)])
-      if (n > 0) out[static_cast<std::size_t>(p)].push_back(n);
-    out_n[static_cast<std::size_t>(p)] = static_cast<index_t>(out[static_cast<std::size_t>(p)].size());
-  }
-  in[static_cast<std::size_t>(me)] = out[static_cast<std::size_t>(me)];
-  std::vector<Impl::Pending> pending;
-  for (int p = 0; p < P; ++p) {
-    if (p == me) continue;
-    Impl::post(comm, true, &in_n[static_cast<std::size_t>(p)], 1, MPI_INT64_T, p, 6998, pending, options);
-    Impl::post(comm, false, &out_n[static_cast<std::size_t>(p)], 1, MPI_INT64_T, p, 6998, pending, options);
-  }
-  Impl::wait_all(comm, pending, what, options);
-  for (int p = 0; p < P; ++p) {
-    if (p == me) continue;
-    in[static_cast<std::size_t>(p)].resize(static_cast<std::size_t>(in_n[static_cast<std::size_t>(p)]));
-    auto const q = static_cast<std::size_t>(p);
-    if (!in[q].empty()) Impl::post(comm, true, in[q].data(), static_cast<int>(in_n[q]), MPI_INT64_T, p, 6997, pending, options);
-    if (!out[q].empty()) Impl::post(comm, false, out[q].data(), static_cast<int>(out_n[q]), MPI_INT64_T, p, 6997, pending, options);
-  }
-  Impl::wait_all(comm, pending, what, options);
-  return in;
-}
-
 RowRuns consecutive_runs(std::vector<std::vector<index_t>> const& lengths) {
   RowRuns runs(lengths.size());
   index_t at = 0;

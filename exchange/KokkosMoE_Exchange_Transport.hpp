@@ -53,7 +53,7 @@ inline std::vector<std::int64_t> runs_per_peer(RowRuns const& runs) {
 /// With runs, a peer's rows leave from (arrive at) several places of the
 /// buffer with no copy: one message per run, so the sender's runs for a
 /// peer and that peer's receive runs must have the same lengths in the same
-/// order (exchange_run_lengths tells a receiver what is coming); a peer's
+/// order (agree_counts_and_runs tells a receiver what is coming); a peer's
 /// runs add up to its count. Runs on one side need runs on the other.
 template <class MemorySpace>
 struct RowSet {
@@ -340,16 +340,9 @@ class MpiTransport final : public Transport<Exec, MemorySpace> {
   }
 };
 
-/// \brief Collective over comm: every rank tells each peer the lengths of
-/// the runs it will send it (RowSet::send_runs); returns, per peer slot, the
-/// lengths of the runs that peer will send this rank, in order (the rank's
-/// own runs for itself). Under the watchdog.
-std::vector<std::vector<index_t>> exchange_run_lengths(Topology::Communicator const& comm, RowRuns const& send_runs,
-                                                       char const* what, TransportOptions const& options = {});
-
 /// \brief Runs that place each peer's runs of the given lengths one after
 /// the other (peer order), from row 0: where rows announced by
-/// exchange_run_lengths land in a contiguous receive buffer.
+/// agree_counts_and_runs land in a contiguous receive buffer.
 RowRuns consecutive_runs(std::vector<std::vector<index_t>> const& lengths);
 
 /// \brief Counts agreed by a sender and its receivers.
@@ -371,9 +364,9 @@ AgreedCounts agree_counts(Topology::Communicator const& comm, std::vector<index_
                           index_t rows_available, std::vector<index_t> const* expected_recv, char const* what,
                           TransportOptions const& options = {}, std::string const& local_problem = {});
 
-/// \brief agree_counts and exchange_run_lengths in one round: each peer gets
-/// one message holding the count and the lengths of the runs this rank will
-/// send it (at most max_runs runs per peer, a bound every rank knows, so the
+/// \brief agree_counts that also announces runs: each peer gets one
+/// message holding the count and the lengths of the runs this rank will
+/// send it (RowSet::send_runs), in order (at most max_runs runs per peer, a bound every rank knows, so the
 /// messages have one fixed size and a receiver needs no second round). A
 /// rank with more runs for a peer, runs that do not add up to its count, or
 /// a receiver that finds either in what arrived, fails the agreement on every

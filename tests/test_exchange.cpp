@@ -796,8 +796,8 @@ TEST_CASE("counts and run lengths agreed in one round: bad announcements fail ev
 TEST_CASE("rows given as runs leave from and arrive at their places, small runs and large", "[exchange][transport]") {
   // Every rank sends each peer 3 runs of its rows taken back to front, and
   // receives each peer's rows into 3 runs placed back to front as well; run
-  // lengths are announced with exchange_run_lengths. Narrow rows take the
-  // indexed-datatype message, wide rows one message per run.
+  // lengths are announced with the counts (agree_counts_and_runs). Narrow
+  // rows take the indexed-datatype message, wide rows one message per run.
   auto topo = nodes_of(1);
   Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
   auto const& ep = comms.ep();
@@ -819,14 +819,11 @@ TEST_CASE("rows given as runs leave from and arrive at their places, small runs 
       index_t const b = p * per;
       send_runs[static_cast<std::size_t>(p)] = {{b + 6, 1}, {b + 4, 2}, {b, 4}};
     }
-    auto const lengths = exchange_run_lengths(ep, send_runs, "test runs");
     std::vector<index_t> counts(static_cast<std::size_t>(P), per);
-    // The counts and the run lengths in one round tell the same.
     auto const agreed = agree_counts_and_runs(ep, counts, P * per, send_runs, 3, "test counts and runs");
     CHECK(agreed.recv == counts);
-    CHECK(agreed.recv_run_lengths == lengths);
     for (int p = 0; p < P; ++p) {
-      CHECK(lengths[static_cast<std::size_t>(p)] == std::vector<index_t>{1, 2, 4});
+      CHECK(agreed.recv_run_lengths[static_cast<std::size_t>(p)] == std::vector<index_t>{1, 2, 4});
       index_t const b = (P - 1 - p) * per;  // peers' rows land back to front, each run reversed in place
       recv_runs[static_cast<std::size_t>(p)] = {{b + 6, 1}, {b + 4, 2}, {b, 4}};
     }
