@@ -25,7 +25,11 @@
 /// destination relay, each origin's rows for one final rank; stages 2 and 3
 /// send those runs in place (RowRuns: one contiguous message per run, the
 /// receivers told the run lengths with the counts, in one round), and the
-/// reverse stages receive into them in place.
+/// reverse stages receive into them in place. No rank copies rows to
+/// itself either: its stage-1 rows for itself are packed straight among
+/// its stage-1 arrivals, and the rows that stay (kept stage-1 rows, a
+/// relay's own stage-3 rows) are read where they are by the final gather
+/// and written there by the combine's first scatter (State::final_pieces).
 /// The start forms post the relay-to-relay stage (the inter-node one) and
 /// return: dispatch_start runs stage 1 and posts stage 2, dispatch_finish
 /// waits for it, runs stage 3 and restores the flat order; combine_start
@@ -38,6 +42,7 @@
 #include <KokkosMoE_Exchange_Planner.hpp>
 #include <impl/KokkosMoE_Exchange_Common.hpp>
 
+#include <functional>
 #include <tuple>
 
 namespace KokkosMoE {
@@ -54,6 +59,16 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
  public:
   static constexpr Algorithm algorithm = Algorithm::hierarchical;
 
+  /// \brief Final-buffer positions [first, first + rows) whose rows are
+  /// rows part_local_row(src).. of part row_part(src): 1 the stage-1
+  /// arrivals, 2 the stage-2 arrivals (on the combine's way back: the
+  /// buffers of the same layouts it returns through).
+  struct FinalPiece {
+    index_t first = 0;
+    index_t rows = 0;
+    index_t src = 0;
+  };
+
   /// \brief The three stages of one dispatch, kept for their reverse.
   struct State {
     StageRecord<MS> s1, s2, s3;
@@ -66,6 +81,10 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     std::vector<std::pair<index_t, index_t>> kept_runs;  ///< runs of the stage-1 arrivals kept here
     RowRuns s1_return_runs;     ///< where each node peer's returned rows go in the plan's send order (reverse of stage 1)
     RowRuns s1_back_runs;       ///< the same runs' lengths at the returning peers, over their stage-1 arrivals
+    /// Final-buffer positions whose rows stay where an earlier stage put
+    /// them (the kept stage-1 arrivals, the relay's own stage-3 rows), by
+    /// first position; every other position is its own row of the final buffer.
+    Kokkos::View<FinalPiece*, MS> final_pieces;
   };
 
   /// \brief What a dispatch in flight keeps until dispatch_finish.
@@ -161,7 +180,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     State& st = std::any_cast<State&>(h.state);
     h.ledger.dispatch.stages.back().seconds += lap();  // stage 2 completing
     auto [r3, r3_meta] = relay_scatter(exec, st, f.r2, f.r2_meta, h.ledger);
-    restore_flat_order(exec, st, h, f.r1, f.r1_meta, r3, r3_meta);
+    restore_flat_order(exec, st, h, f.r1, f.r1_meta, f.r2, r3, r3_meta);
     Compat::fence(exec, "KokkosMoE::HierarchicalExchange::dispatch");
     h.ledger.dispatch.stages.back().seconds = lap();  // scatter plus restoring the flat arrival order
     h.seconds += timer.seconds();
@@ -193,9 +212,15 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     int const d = static_cast<int>(h.expert_rows.extent(1));
     this->set_combine_format(h.ledger, d);
     h.ledger.combine.stages.clear();
-    auto fin = uncanonical(exec, *st, h, expert_out);
-    auto s2_in_back = reverse_scatter(exec, *st, fin, h.ledger, lap);
-    h.pending = CombineFlight{fin, reverse_relay(exec, *st, s2_in_back, h.ledger, lap, &h.flight)};
+    // The reverse stages' buffers first: the expert outputs go straight
+    // into them where their rows stayed on the way in.
+    auto const type = this->config_.return_payload;
+    auto s1_back = payload_buffer(this->work_, exec, "s1_recv_back", type, d, Impl::total(st->s1.recv_counts));
+    auto s2_in_back = payload_buffer(this->work_, exec, "s2_in_back", type, d, st->s3.input_rows);
+    auto fin = uncanonical(exec, *st, h, expert_out, s1_back, s2_in_back);
+    reverse_scatter(exec, *st, fin, s2_in_back, h.ledger, lap);
+    reverse_relay(exec, *st, s2_in_back, s1_back, h.ledger, lap, &h.flight);
+    h.pending = CombineFlight{fin, s1_back};
     h.ledger.combine.useful_rows = h.plan.rows();
     h.pending_returned = returned;
     h.seconds = timer.seconds();
@@ -281,22 +306,37 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
         }
       }
     }
-    // Send rows: position p holds the route at plan position perm1(p).
+    // Send rows: position p holds the route at plan position perm1(p). The
+    // rows for this rank itself (its direct rows and, at a relay, its
+    // transit rows) are packed straight into their place among the
+    // arrivals once the counts are agreed: no self copy.
     auto send = payload_buffer(this->work_, exec, "s1_send", this->config_.payload, d, n0);
     auto send_meta = this->work_.template vector<RowMeta>(exec, "s1_send_meta", n0);
-    {
-      auto perm1 = st.s1.send_perm;
-      auto perm = plan.perm;
-      auto token = routes.token;
-      gather_rows(exec, hidden, KOKKOS_LAMBDA(index_t p)->index_t { return token(perm(perm1(p))); }, send,
-                  "KokkosMoE::HierarchicalExchange::pack");
-      gather_records(exec, meta, perm1, send_meta, "KokkosMoE::HierarchicalExchange::pack_meta");
-    }
+    int const self = node.my_slot();
+    index_t self_first = 0;
+    for (int k = 0; k < self; ++k) self_first += st.s1.send_counts[k];
+    index_t const self_end = self_first + st.s1.send_counts[self];
+    auto perm1 = st.s1.send_perm;
+    auto perm = plan.perm;
+    auto token = routes.token;
+    gather_rows(
+        exec, hidden,
+        KOKKOS_LAMBDA(index_t p)->index_t { return p >= self_first && p < self_end ? index_t(-1) : token(perm(perm1(p))); },
+        send, "KokkosMoE::HierarchicalExchange::pack");
+    gather_records(exec, meta, perm1, send_meta, "KokkosMoE::HierarchicalExchange::pack_meta");
+    auto pack_self = [&](PayloadBuffer<MS> const& arrivals) {
+      index_t at = 0;
+      for (int k = 0; k < self; ++k) at += st.s1.recv_counts[k];
+      gather_rows(
+          exec, hidden, KOKKOS_LAMBDA(index_t i)->index_t { return token(perm(perm1(self_first + i))); },
+          rows_of(arrivals, at, self_end - self_first), "KokkosMoE::HierarchicalExchange::pack_self");
+    };
     // With the counts, each peer learns the run lengths its returned rows
     // must have (the combine's last stage sends them in those runs): at
     // most one run per destination rank. The rows themselves go contiguous.
     auto out = exchange_stage(exec, node, st.s1, send, send_meta, n0, "s1", "hierarchical dispatch stage 1", nullptr, 0,
-                              &st.s1_return_runs, &st.s1_back_runs, this->comms_->topology().size(), /*send_in_runs=*/false);
+                              &st.s1_return_runs, &st.s1_back_runs, this->comms_->topology().size(), /*send_in_runs=*/false,
+                              pack_self);
     StageLedger sl{st.s1.name, node.name()};
     add_sends(sl, st.s1.send_counts, node.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta));
     // Transit rows sent to a relay other than this rank are relay traffic.
@@ -446,8 +486,10 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     // Arrivals land after room for the rows kept from stage 1, so the final
     // buffer is the receive buffer (restore_flat_order fills the front).
     // At most one run per (relay peer, origin slot): relay peers are one per node.
+    // The relay's own rows stay in the stage-2 arrivals: the final gather
+    // reads them there.
     auto out = exchange_stage(exec, node, st.s3, r2, r2_meta, n2, "s3", "hierarchical dispatch stage 3", nullptr, st.kept,
-                              &st.s3_runs, &st.s3_recv_runs, this->comms_->topology().num_nodes() * M);
+                              &st.s3_runs, &st.s3_recv_runs, this->comms_->topology().num_nodes() * M, true, leave_self);
     StageLedger sl{st.s3.name, node.name()};
     auto const runs = runs_per_peer(st.s3_runs);
     add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta), &runs);
@@ -461,25 +503,28 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   }
 
   /// Final rows: stage-1 rows kept here (stage 2's last bucket, in its send
-  /// order, gathered into the front of the stage-3 receive buffer), then
-  /// stage-3 arrivals (already in place). The flat arrival order is a stable sort
-  /// on the origin's EP peer slot; the arrival metadata, the repack and the
-  /// expert rows (gathered from the final buffer through both permutations,
-  /// in one pass) follow from it.
+  /// order), then stage-3 arrivals. Their metadata is gathered into one
+  /// final buffer; their payload stays where it is (the kept rows among the
+  /// stage-1 arrivals, the relay's own stage-3 rows among the stage-2
+  /// arrivals, the rest in the stage-3 receive buffer; State::final_pieces
+  /// says which). The flat arrival order is a stable sort on the origin's EP
+  /// peer slot; the arrival metadata, the repack and the expert rows
+  /// (gathered from wherever they are through both permutations, in one
+  /// pass) follow from it.
   template <class T>
   void restore_flat_order(Exec const& exec, State& st, DispatchHandle<T, MS>& h, PayloadBuffer<MS> const& r1,
-                          meta_view const& r1_meta, PayloadBuffer<MS> const& r3, meta_view const& r3_meta) {
+                          meta_view const& r1_meta, PayloadBuffer<MS> const& r2, PayloadBuffer<MS> const& r3,
+                          meta_view const& r3_meta) {
     auto const& comms = *this->comms_;
     index_t const nf = r3.rows();  // the rows kept from stage 1 (front), then the stage-3 arrivals
     int const d = r1.width;
-    PayloadBuffer<MS> const& fin = r3;
     meta_view const& fin_meta = r3_meta;
     {
-      // The kept runs, in order, into the front of the final buffer.
+      // The kept runs' metadata, in order, into the front of the final buffer.
       std::vector<std::pair<index_t, index_t>> const front{{0, st.kept}};
-      Impl::copy_self_rows(exec, fin.bytes, front, r1.bytes, st.kept_runs);
       Impl::copy_self_rows(exec, as_rows(fin_meta), front, as_rows(r1_meta), st.kept_runs);
     }
+    set_final_pieces(st);
     auto ep_slot = ep_slot_;
     int const P = comms.ep().size();
     auto keyc = this->work_.template vector<int>(exec, "keyc", nf);
@@ -498,64 +543,114 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     agree(comms.ep().comm(), problem_of([&] {
             h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
             this->set_expert_rows(exec, h, h.repack.slot_counts, d);
-            gather_expert_rows(exec, fin, cf, h.repack.perm, h.expert_rows);
+            gather_expert_rows(exec, PayloadParts<MS>{r3, r1, r2}, st.final_pieces, cf, h.repack.perm, h.expert_rows);
           }),
           "hierarchical dispatch repack", this->config_.watchdog_seconds);
   }
 
-  /// expert_rows(q) = decode(fin(cf(perm(q)))): arrival order and repack in one pass.
+  /// The pieces of the final buffer that stay where earlier stages put
+  /// them: the kept runs (front, from the stage-1 arrivals) and the relay's
+  /// own stage-3 runs (from the stage-2 arrivals).
+  void set_final_pieces(State& st) const {
+    std::vector<FinalPiece> pieces;
+    index_t at = 0;
+    for (auto const& [first, n] : st.kept_runs) {
+      if (n > 0) pieces.push_back({at, n, part_row(1, first)});
+      at += n;
+    }
+    int const self = this->comms_->node_local().my_slot();
+    if (self >= 0 && static_cast<std::size_t>(self) < st.s3_runs.size()) {
+      // The own segment's runs in the stage-3 receive runs pair with the
+      // own send runs over the stage-2 arrivals, in order.
+      auto const& src = st.s3_runs[static_cast<std::size_t>(self)];
+      auto const& dst = st.s3_recv_runs[static_cast<std::size_t>(self)];
+      std::size_t i = 0, j = 0;
+      index_t di = 0, sj = 0;
+      while (i < dst.size() && j < src.size()) {
+        index_t const n = std::min(dst[i].second - di, src[j].second - sj);
+        if (n > 0) pieces.push_back({st.kept + dst[i].first + di, n, part_row(2, src[j].first + sj)});
+        di += n;
+        sj += n;
+        if (di == dst[i].second) ++i, di = 0;
+        if (sj == src[j].second) ++j, sj = 0;
+      }
+    }
+    std::sort(pieces.begin(), pieces.end(), [](FinalPiece const& a, FinalPiece const& b) { return a.first < b.first; });
+    if (pieces.empty()) pieces.push_back({0, 0, 0});  // never matches: every position is its own
+    st.final_pieces = Impl::device_vector<MS>(pieces, "KokkosMoE::HierarchicalExchange::final_pieces");
+  }
+
+  /// Where final-buffer position f's row is (a PayloadParts row: part 0 the
+  /// final buffer itself).
+  KOKKOS_INLINE_FUNCTION static index_t final_row(Kokkos::View<FinalPiece*, MS> const& pieces, index_t f) {
+    // The last piece starting at or before f.
+    index_t lo = 0, hi = static_cast<index_t>(pieces.extent(0));
+    while (hi - lo > 1) {
+      index_t const mid = (lo + hi) / 2;
+      if (pieces(mid).first <= f)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    FinalPiece const& p = pieces(lo);
+    return f >= p.first && f < p.first + p.rows ? p.src + (f - p.first) : f;
+  }
+
+  /// expert_rows(q) = decode(final row cf(perm(q))): arrival order and
+  /// repack in one pass, each row read where it is.
   template <class T>
-  static void gather_expert_rows(Exec const& exec, PayloadBuffer<MS> const& fin, index_view const& cf, index_view const& perm,
-                                 RowMatrix<T, MS> const& expert_rows) {
-    gather_rows(exec, fin, KOKKOS_LAMBDA(index_t q)->index_t { return cf(perm(q)); }, expert_rows,
+  static void gather_expert_rows(Exec const& exec, PayloadParts<MS> const& parts, Kokkos::View<FinalPiece*, MS> const& pieces,
+                                 index_view const& cf, index_view const& perm, RowMatrix<T, MS> const& expert_rows) {
+    gather_rows(exec, parts, KOKKOS_LAMBDA(index_t q)->index_t { return final_row(pieces, cf(perm(q))); }, expert_rows,
                 "KokkosMoE::HierarchicalExchange::expert_rows");
   }
 
-  /// Expert outputs into the final buffer's order (return payload), through
-  /// the repack and the canonical order in one pass.
+  /// Expert outputs through the repack and the canonical order, in one
+  /// pass, straight to where the combine's stages send them from: the
+  /// final buffer (returned by stage 3's reverse), the stage-1 arrival
+  /// layout (kept rows) and the stage-2 arrival layout (the relay's own
+  /// stage-3 rows).
   template <class T>
-  PayloadBuffer<MS> uncanonical(Exec const& exec, State const& st, DispatchHandle<T, MS> const& h,
-                                RowMatrix<T, MS> const& expert_out) {
+  PayloadBuffer<MS> uncanonical(Exec const& exec, State const& st, DispatchHandle<T, MS> const& h, RowMatrix<T, MS> const& expert_out,
+                                PayloadBuffer<MS> const& s1_back, PayloadBuffer<MS> const& s2_in_back) {
     int const d = static_cast<int>(h.expert_rows.extent(1));
     auto fin = payload_buffer(this->work_, exec, "combine_final", this->config_.return_payload, d, h.rows());
     auto cf = st.canonical_from;
     auto perm = h.repack.perm;
-    scatter_rows(exec, expert_out, KOKKOS_LAMBDA(index_t q)->index_t { return cf(perm(q)); }, fin,
-                 "KokkosMoE::HierarchicalExchange::uncanonical");
+    auto pieces = st.final_pieces;
+    scatter_rows(exec, expert_out, KOKKOS_LAMBDA(index_t q)->index_t { return final_row(pieces, cf(perm(q))); },
+                 PayloadParts<MS>{fin, s1_back, s2_in_back}, "KokkosMoE::HierarchicalExchange::uncanonical");
     return fin;
   }
 
   /// Reverse of stage 3: final ranks return stage-3 rows to their relays,
-  /// which put them back in stage-2 arrival order.
-  PayloadBuffer<MS> reverse_scatter(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, ByteLedger& ledger,
-                                    Impl::Lap<Exec>& lap) {
+  /// which put them back in stage-2 arrival order (a relay's own rows are
+  /// there already: uncanonical wrote them).
+  void reverse_scatter(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, PayloadBuffer<MS> const& s2_in_back,
+                       ByteLedger& ledger, Impl::Lap<Exec>& lap) {
     auto const& node = this->comms_->node_local();
     auto const& s3 = st.s3;
     index_t const r3 = fin.rows() - st.kept;
     // The rows come back into the places stage 3 sent them from (runs of
     // the stage-2 arrival order), in place.
-    auto s2_in_back = payload_buffer(this->work_, exec, "s2_in_back", fin.type, fin.width, s3.input_rows);
     agree_counts(node, s3.recv_counts, r3, &s3.send_counts, "hierarchical combine stage 3 counts", this->options());
     auto src = suffix(fin, st.kept);
-    this->transport_->alltoallv(exec, node, {RowSet<MS>{src.bytes, s2_in_back.bytes, st.s3_recv_runs, st.s3_runs}}, s3.recv_counts,
-                                s3.send_counts, "hierarchical combine stage 3 rows", this->options());
+    this->transport_->alltoallv(exec, node, {RowSet<MS>{src.bytes, s2_in_back.bytes, st.s3_recv_runs, st.s3_runs, /*self_in_place=*/true}},
+                                s3.recv_counts, s3.send_counts, "hierarchical combine stage 3 rows", this->options());
     StageLedger sl{"relay gather (reverse of relay scatter)", node.name()};
     auto const runs = runs_per_peer(st.s3_recv_runs);
     add_sends(sl, s3.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0, &runs);
     sl.seconds = lap();
     ledger.combine.stages.push_back(sl);
-    return s2_in_back;
   }
 
-  /// Reverse of stage 2 between relays.
-  PayloadBuffer<MS> reverse_relay(Exec const& exec, State const& st, PayloadBuffer<MS> const& s2_in_back, ByteLedger& ledger,
-                                  Impl::Lap<Exec>& lap, RowsInFlight* flight = nullptr) {
+  /// Reverse of stage 2 between relays: the stage-1 arrival order rebuilt
+  /// in place in s2_back, transit rows coming back into the runs stage 2
+  /// sent them from (uncanonical wrote the kept runs).
+  void reverse_relay(Exec const& exec, State const& st, PayloadBuffer<MS> const& s2_in_back, PayloadBuffer<MS> const& s2_back,
+                     ByteLedger& ledger, Impl::Lap<Exec>& lap, RowsInFlight* flight = nullptr) {
     auto const& comms = *this->comms_;
     auto const& s2 = st.s2;
-    // The stage-1 arrival order rebuilt in place: transit rows come back
-    // into the runs stage 2 sent them from (the kept runs are filled by
-    // reverse_gather).
-    auto s2_back = payload_buffer(this->work_, exec, "s1_recv_back", s2_in_back.type, s2_in_back.width, Impl::total(st.s1.recv_counts));
     StageLedger sl{"relay to relay (reverse)", comms.is_relay() ? comms.relay().name() : std::string("-")};
     if (comms.is_relay()) {
       auto const& rc = comms.relay();
@@ -572,11 +667,10 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     }
     sl.seconds = lap();
     ledger.combine.stages.push_back(sl);
-    return s2_back;
   }
 
   /// Reverse of stage 1: stage-1 arrival order rebuilt (transit rows from
-  /// stage 2, kept rows from the final buffer), back to the origins, which
+  /// stage 2, kept rows written there by uncanonical), back to the origins, which
   /// receive them straight into the plan's send order in the caller's
   /// return buffer.
   void reverse_gather(Exec const& exec, State const& st, PayloadBuffer<MS> const& fin, PayloadBuffer<MS> const& s2_back,
@@ -584,8 +678,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto const& node = this->comms_->node_local();
     auto const& s1 = st.s1;
     index_t const r1 = Impl::total(s1.recv_counts);
-    PayloadBuffer<MS> const& s1_recv_back = s2_back;  // transit rows already in place
-    Impl::copy_self_rows(exec, s1_recv_back.bytes, st.kept_runs, fin.bytes, {{0, st.kept}});
+    PayloadBuffer<MS> const& s1_recv_back = s2_back;  // transit and kept rows already in place
     agree_counts(node, s1.recv_counts, r1, &s1.send_counts, "hierarchical combine stage 1 counts", this->options());
     this->transport_->alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, returned.bytes, st.s1_back_runs, st.s1_return_runs}}, s1.recv_counts,
                                 s1.send_counts, "hierarchical combine stage 1 rows", this->options());
@@ -624,12 +717,19 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   /// their lengths travel with the counts, one round, and recv_runs gets
   /// the peers' runs laid out one after the other; the rows travel in
   /// those runs unless send_in_runs is false (runs only announced).
+  /// place_self: where the rank's own payload rows need no copy. Given a
+  /// function, it is called with the arrivals (counts agreed) to write
+  /// them there; given leave_self, they stay in the send buffer and
+  /// the arrivals' own segment is left unwritten (metadata is copied).
+  using PlaceSelf = std::function<void(PayloadBuffer<MS> const&)>;
+  static void leave_self(PayloadBuffer<MS> const&) {}
   std::pair<PayloadBuffer<MS>, meta_view> exchange_stage(Exec const& exec, Topology::Communicator const& comm, StageRecord<MS>& stage,
                                                          PayloadBuffer<MS> const& send, meta_view const& send_meta, index_t count,
                                                          std::string const& key, std::string const& what,
                                                          RowsInFlight* flight = nullptr, index_t front = 0,
                                                          RowRuns const* runs = nullptr, RowRuns* recv_runs = nullptr,
-                                                         int max_runs = 0, bool send_in_runs = true) {
+                                                         int max_runs = 0, bool send_in_runs = true,
+                                                         PlaceSelf const& place_self = {}) {
     if (runs) {
       // Counts and run lengths in one round (one latency on the relay link).
       auto agreed = agree_counts_and_runs(comm, stage.send_counts, count, *runs, max_runs, (what + " counts").c_str(), this->options());
@@ -646,7 +746,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     RowRuns const none;
     RowRuns const& r = runs && send_in_runs ? *runs : none;
     RowRuns const& rr = runs && send_in_runs ? *recv_runs : none;
-    std::vector<RowSet<MS>> const sets{RowSet<MS>{send.bytes, arrivals.bytes, r, rr},
+    if (place_self) place_self(arrivals);
+    std::vector<RowSet<MS>> const sets{RowSet<MS>{send.bytes, arrivals.bytes, r, rr, static_cast<bool>(place_self)},
                                        RowSet<MS>{as_rows(send_meta), as_rows(arrivals_meta), r, rr}};
     if (flight)
       *flight = this->transport_->start_alltoallv(exec, comm, sets, stage.send_counts, stage.recv_counts, (what + " rows").c_str(),
@@ -659,6 +760,11 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   static PayloadBuffer<MS> prefix(PayloadBuffer<MS> const& b, index_t n) {
     PayloadBuffer<MS> p = b;
     p.bytes = Kokkos::subview(b.bytes, std::pair<index_t, index_t>(0, n), Kokkos::ALL);
+    return p;
+  }
+  static PayloadBuffer<MS> rows_of(PayloadBuffer<MS> const& b, index_t first, index_t n) {
+    PayloadBuffer<MS> p = b;
+    p.bytes = Kokkos::subview(b.bytes, std::pair<index_t, index_t>(first, first + n), Kokkos::ALL);
     return p;
   }
   static PayloadBuffer<MS> suffix(PayloadBuffer<MS> const& b, index_t from) {

@@ -99,7 +99,7 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
     for (auto const& s : sets) {
       Impl::check_runs(s.send_runs, send_counts, static_cast<index_t>(s.send.extent(0)), "send", what);
       Impl::check_runs(s.recv_runs, recv_counts, static_cast<index_t>(s.recv.extent(0)), "receive", what);
-      if (me >= 0 && send_counts[me] > 0)
+      if (me >= 0 && send_counts[me] > 0 && !s.self_in_place)
         Impl::copy_self_rows(exec, s.recv, Impl::runs_of(s.recv_runs, roff, me), s.send, Impl::runs_of(s.send_runs, soff, me));
     }
     // One send (receive) per peer segment, or per run: NCCL pairs them in

@@ -55,16 +55,20 @@ inline std::vector<std::int64_t> runs_per_peer(RowRuns const& runs) {
 /// peer and that peer's receive runs must have the same lengths in the same
 /// order (agree_counts_and_runs tells a receiver what is coming); a peer's
 /// runs add up to its count. Runs on one side need runs on the other.
+/// With self_in_place, the caller's own rows are already where it wants
+/// them (written straight to the receive side, or read later from the send
+/// side): the transport copies nothing for them.
 template <class MemorySpace>
 struct RowSet {
   using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace>;
   RowSet() = default;
-  RowSet(rows_view s, rows_view r, RowRuns sr = {}, RowRuns rr = {})
-      : send(std::move(s)), recv(std::move(r)), send_runs(std::move(sr)), recv_runs(std::move(rr)) {}
+  RowSet(rows_view s, rows_view r, RowRuns sr = {}, RowRuns rr = {}, bool self_in_place_ = false)
+      : send(std::move(s)), recv(std::move(r)), send_runs(std::move(sr)), recv_runs(std::move(rr)), self_in_place(self_in_place_) {}
   rows_view send;
   rows_view recv;
   RowRuns send_runs;  ///< empty: contiguous segments by send counts
   RowRuns recv_runs;  ///< empty: contiguous segments by recv counts
+  bool self_in_place = false;  ///< the rank's own rows need no copy
 };
 
 /// \brief True when device buffers may be passed to MPI: the configured
@@ -235,12 +239,13 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     Impl::check_runs(s.recv_runs, recv_counts, static_cast<index_t>(s.recv.extent(0)), "receive", what);
   }
   Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: send rows complete");
-  // Same-rank rows: a local copy.
+  // Same-rank rows: a local copy (none where the caller placed them).
   for (auto const& s : sets) {
     if (me >= 0 && send_counts[me] > 0) {
       KOKKOSMOE_REQUIRE(send_counts[me] == recv_counts[me],
                         what << ": rank sends " << send_counts[me] << " rows to itself but expects " << recv_counts[me]);
-      Impl::copy_self_rows(exec, s.recv, Impl::runs_of(s.recv_runs, roff, me), s.send, Impl::runs_of(s.send_runs, soff, me));
+      if (!s.self_in_place)
+        Impl::copy_self_rows(exec, s.recv, Impl::runs_of(s.recv_runs, roff, me), s.send, Impl::runs_of(s.send_runs, soff, me));
     }
   }
   constexpr bool host_visible = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
