@@ -24,7 +24,9 @@
 /// dispatch = stripe (this wave's pool rows) -> build_pools -> all-to-all ->
 /// compact (expert rows). combine = return_pools -> all-to-all -> collect.
 /// Pools are written row by row in one pass each (routes' rows, zero
-/// header and padding rows, then the header bytes): no clearing pass.
+/// header and padding rows, then the header bytes): no clearing pass. A
+/// rank's pool for itself is written straight into its receive buffer
+/// (the shapes are uniform, so it lands where it is sent from): no self copy.
 
 #include <KokkosMoE_CountingSort.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
@@ -99,10 +101,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     std::int64_t const wave_routes = stripe(exec, st, routes, wave, h.ledger);
     auto send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, pool_buffer_rows(st));
     auto recv = payload_buffer(this->work_, exec, "recv", this->config_.payload, d, pool_buffer_rows(st));
-    build_pools(exec, st, routes, hidden, send);
+    build_pools(exec, st, routes, hidden, send, recv);
     std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), st.shapes.pool_rows_with_header);
-    this->transport_->alltoallv(exec, ep, {RowSet<MS>{send.bytes, recv.bytes}}, uniform, uniform, "pooled-wave dispatch rows",
-                                this->options());
+    this->transport_->alltoallv(exec, ep, {RowSet<MS>{send.bytes, recv.bytes, {}, {}, /*self_in_place=*/true}}, uniform, uniform,
+                                "pooled-wave dispatch rows", this->options());
     h.ledger.dispatch.stages.push_back(wave_stage(st, wave, send.row_bytes(), false));
     std::int64_t const receiver_drops = compact(exec, st, h, recv);
     h.ledger.dispatch.stages.back().seconds = timer.seconds();
@@ -133,10 +135,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     this->set_combine_format(h.ledger, d);
     auto back = payload_buffer(this->work_, exec, "back", this->config_.return_payload, d, pool_buffer_rows(*st));
     auto got = payload_buffer(this->work_, exec, "got", this->config_.return_payload, d, pool_buffer_rows(*st));
-    return_pools(exec, *st, expert_out, back);
+    return_pools(exec, *st, expert_out, back, got);
     std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), st->shapes.pool_rows_with_header);
-    this->transport_->alltoallv(exec, ep, {RowSet<MS>{back.bytes, got.bytes}}, uniform, uniform, "pooled-wave combine rows",
-                                this->options());
+    this->transport_->alltoallv(exec, ep, {RowSet<MS>{back.bytes, got.bytes, {}, {}, /*self_in_place=*/true}}, uniform, uniform,
+                                "pooled-wave combine rows", this->options());
     h.ledger.combine.stages.push_back(wave_stage(*st, h.wave, back.row_bytes(), true));
     collect(exec, *st, h, got, returned);
     Compat::fence(exec, "KokkosMoE::PooledWave: wave collected");
@@ -209,11 +211,19 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     return hc(0);
   }
 
+  /// Pool row r of a send buffer, or of the receive buffer for this rank's
+  /// own pool (pools are uniform: the own pool lands where it would be sent
+  /// from), as a PayloadParts row of {send, recv}.
+  static KOKKOS_INLINE_FUNCTION index_t pool_target(index_t r, index_t pool, int me) {
+    return r / pool == me ? part_row(1, r) : r;
+  }
+
   /// The pools of this wave: a header row with the packed local expert ids,
-  /// then the rows (encoded from hidden), per destination.
+  /// then the rows (encoded from hidden), per destination; the own pool is
+  /// written straight into its place in recv (no self copy).
   template <class T>
   void build_pools(Exec const& exec, State const& st, RoutePlan<MS> const& routes, RowMatrix<T, MS> const& hidden,
-                   PayloadBuffer<MS> const& send) {
+                   PayloadBuffer<MS> const& send, PayloadBuffer<MS> const& recv) {
     int const P = this->comms_->ep().size();
     index_t const Rs = st.shapes.sender_pool_rows;
     index_t const H = st.shapes.header_rows;
@@ -221,24 +231,28 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     int const L = shape_.local_experts;
     int const bits = pooled_wave_id_bits(L);
     auto sb = send.bytes;
+    auto rb = recv.bytes;
+    int const me = this->comms_->ep().my_slot();
     auto pool_route = st.pool_route;
     auto local_id = local_id_;
     auto slot = routes.slot;
     auto token = routes.token;
     // Every row once: a route's row encoded from hidden, header and padding
     // rows zero (no separate clearing pass); then the headers.
-    gather_rows(exec, hidden,
-                KOKKOS_LAMBDA(index_t r)->index_t {
-                  index_t const j = r % pool;
-                  if (j < H) return -1;
-                  index_t const a = pool_route(static_cast<int>(r / pool), j - H);
-                  return a >= 0 ? static_cast<index_t>(token(a)) : -1;
-                },
-                send, "KokkosMoE::PooledWave::pack", MissingRow::zero);
+    KokkosMoE::Impl::move_rows(
+        exec, send.rows(), KokkosMoE::Impl::row_access(hidden),
+        KOKKOS_LAMBDA(index_t r)->index_t {
+          index_t const j = r % pool;
+          if (j < H) return -1;
+          index_t const a = pool_route(static_cast<int>(r / pool), j - H);
+          return a >= 0 ? static_cast<index_t>(token(a)) : -1;
+        },
+        KokkosMoE::Impl::row_access(PayloadParts<MS>{send, recv}), KOKKOS_LAMBDA(index_t r) { return pool_target(r, pool, me); },
+        MissingRow::zero, "KokkosMoE::PooledWave::pack");
     // One thread per pool packs its ids (bits wide, little-endian).
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::headers", Kokkos::RangePolicy<Exec>(exec, 0, P), KOKKOS_LAMBDA(int q) {
-          unsigned char* hdr = &sb(q * pool, 0);
+          unsigned char* hdr = q == me ? &rb(q * pool, 0) : &sb(q * pool, 0);
           std::uint32_t acc = 0;
           int filled = 0;
           index_t at = 0;
@@ -367,24 +381,30 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     return receiver_drops;
   }
 
-  /// Return pools: the header's bit j flags that pool row j carries a result.
+  /// Return pools: the header's bit j flags that pool row j carries a
+  /// result. The own pool is written straight into its place in got.
   template <class T>
-  void return_pools(Exec const& exec, State const& st, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& back) {
+  void return_pools(Exec const& exec, State const& st, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& back,
+                    PayloadBuffer<MS> const& got) {
     int const P = this->comms_->ep().size();
+    int const me = this->comms_->ep().my_slot();
     index_t const Rs = st.shapes.sender_pool_rows;
     index_t const pool = st.shapes.pool_rows_with_header;
     index_t const H = st.shapes.header_rows;
     auto bb = back.bytes;
+    auto gb = got.bytes;
     index_t const flag_bytes = (Rs + 7) / 8;
     auto compact_of = st.compact_of;
     // Every row once: a kept route's result, header and other rows zero;
     // then the headers' flags.
-    gather_rows(exec, expert_out,
-                KOKKOS_LAMBDA(index_t r)->index_t {
-                  index_t const j = r % pool;
-                  return j < H ? -1 : compact_of((r / pool) * Rs + (j - H));
-                },
-                back, "KokkosMoE::PooledWave::return_rows", MissingRow::zero);
+    KokkosMoE::Impl::move_rows(
+        exec, back.rows(), KokkosMoE::Impl::row_access(expert_out),
+        KOKKOS_LAMBDA(index_t r)->index_t {
+          index_t const j = r % pool;
+          return j < H ? -1 : compact_of((r / pool) * Rs + (j - H));
+        },
+        KokkosMoE::Impl::row_access(PayloadParts<MS>{back, got}), KOKKOS_LAMBDA(index_t r) { return pool_target(r, pool, me); },
+        MissingRow::zero, "KokkosMoE::PooledWave::return_rows");
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * flag_bytes),
         KOKKOS_LAMBDA(index_t x) {
@@ -394,7 +414,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
             index_t const j = byte * 8 + b;
             if (j < Rs && compact_of(s * Rs + j) >= 0) flags = static_cast<unsigned char>(flags | (1u << b));
           }
-          (&bb(s * pool, 0))[byte] = flags;  // the header spans the pool's first rows
+          (s == me ? &gb(s * pool, 0) : &bb(s * pool, 0))[byte] = flags;  // the header spans the pool's first rows
         });
   }
 
