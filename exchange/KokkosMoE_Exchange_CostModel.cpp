@@ -206,7 +206,9 @@ ByteLedger predict(CostModel const& model, Topology::Topology const& topo, Topol
           double msgs = static_cast<double>(cc.messages);
           if (c == 1) msgs += intra_peers;
           if (c == 2) msgs += inter_peers;
-          rank_t += cost[c]->seconds(msgs, bytes);
+          // Same-rank rows written where they arrive cost no copy (their
+          // encoding is counted with the pack below).
+          if (!(c == 0 && st.self_in_place)) rank_t += cost[c]->seconds(msgs, bytes);
           sent += bytes;
         }
         auto const& inter = st.by_class[static_cast<std::size_t>(LinkClass::inter_node)];

@@ -338,6 +338,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
                               &st.s1_return_runs, &st.s1_back_runs, this->comms_->topology().size(), /*send_in_runs=*/false,
                               pack_self);
     StageLedger sl{st.s1.name, node.name()};
+    sl.self_in_place = true;
     add_sends(sl, st.s1.send_counts, node.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta));
     // Transit rows sent to a relay other than this rank are relay traffic.
     if (my_relay_ != this->me_) {
@@ -491,6 +492,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto out = exchange_stage(exec, node, st.s3, r2, r2_meta, n2, "s3", "hierarchical dispatch stage 3", nullptr, st.kept,
                               &st.s3_runs, &st.s3_recv_runs, this->comms_->topology().num_nodes() * M, true, leave_self);
     StageLedger sl{st.s3.name, node.name()};
+    sl.self_in_place = true;
     auto const runs = runs_per_peer(st.s3_runs);
     add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta), &runs);
     std::int64_t moved = 0;
@@ -638,6 +640,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     this->transport_->alltoallv(exec, node, {RowSet<MS>{src.bytes, s2_in_back.bytes, st.s3_recv_runs, st.s3_runs, /*self_in_place=*/true}},
                                 s3.recv_counts, s3.send_counts, "hierarchical combine stage 3 rows", this->options());
     StageLedger sl{"relay gather (reverse of relay scatter)", node.name()};
+    sl.self_in_place = true;
     auto const runs = runs_per_peer(st.s3_recv_runs);
     add_sends(sl, s3.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0, &runs);
     sl.seconds = lap();

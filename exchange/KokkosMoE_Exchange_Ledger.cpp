@@ -71,6 +71,7 @@ json direction_json(DirectionLedger const& d) {
                           {"relay_bytes", s.relay_bytes},
                           {"padding_rows", s.padding_rows},
                           {"header_rows", s.header_rows},
+                          {"self_in_place", s.self_in_place},
                           {"seconds", s.seconds}});
   }
   json totals;

@@ -53,6 +53,9 @@ struct StageLedger {
   std::int64_t relay_bytes = 0;  ///< their payload + metadata bytes
   std::int64_t padding_rows = 0; ///< rows that carry no route (static shapes)
   std::int64_t header_rows = 0;  ///< in-band header rows (pooled-wave)
+  /// The same-rank rows are written where they arrive (or read where they
+  /// are): they count as delivered, but nothing copies them.
+  bool self_in_place = false;
   double seconds = 0;             ///< wall time of the stage on this rank (max over ranks once reduced); 0 when planned
 
   ClassCounts total() const;

@@ -203,7 +203,10 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
       return v;
     };
     // Dispatch.
+    // Rows for the own rank are packed where they arrive (stage 1), read
+    // where they are (stage 3) and written there (its reverse): no copy.
     StageLedger d1{"gather to relay + node-local direct", node_name};
+    d1.self_in_place = true;
     add_sends(d1, in_order(s1[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes);
     if (relay_of(me) != me) {
       d1.relay_rows += transit[static_cast<std::size_t>(me)];
@@ -216,6 +219,7 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
       add_sends(d2, in_order(s2[static_cast<std::size_t>(me)], rg), rg, me, nor, l.row_bytes, l.meta_row_bytes, &runs);
     }
     StageLedger d3{"relay scatter", node_name};
+    d3.self_in_place = true;
     auto const runs_d3 = in_order(runs3[static_cast<std::size_t>(me)], group);
     add_sends(d3, in_order(s3[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes, &runs_d3);
     std::int64_t moved = 0;
@@ -227,6 +231,7 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
     for (int s = 0; s < N; ++s) l.dispatch.useful_rows += c[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
     // Combine: the reverse stages send back what each stage received.
     StageLedger c3{"relay gather (reverse of relay scatter)", node_name};
+    c3.self_in_place = true;
     auto const runs_c3 = in_order(column(runs3), group);
     add_sends(c3, in_order(column(s3), group), group, me, nor, l.combine_row_bytes, 0, &runs_c3);
     StageLedger c2{"relay to relay (reverse)", d2.communicator};
@@ -304,6 +309,7 @@ std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in) {
       StageLedger st{"wave " + std::to_string(w), "kmoe-ep"};
       add_sends(st, useful, order, me, nor, l.row_bytes, 0);
       StageLedger back{"wave " + std::to_string(w) + " (return)", "kmoe-ep"};
+      st.self_in_place = back.self_in_place = true;  // the own pool is written into the receive buffer
       add_sends(back, kept_from, order, me, nor, l.combine_row_bytes, 0);
       for (std::size_t p = 0; p < order.size(); ++p) {
         int const g = order[p];

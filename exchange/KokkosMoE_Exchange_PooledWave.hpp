@@ -293,6 +293,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
         for (index_t j = 0; j < Rs; ++j) useful[static_cast<std::size_t>(s)] += hc[static_cast<std::size_t>(s * Rs + j)] >= 0 ? 1 : 0;
     }
     StageLedger sl{"wave " + std::to_string(wave) + (back ? " (return)" : ""), ep.name()};
+    sl.self_in_place = true;  // the own pool is written into the receive buffer
     add_sends(sl, useful, ep.peer_order(), me, nor, row_bytes, 0);
     for (int q = 0; q < P; ++q) {
       sl.padding_rows += Rs - useful[static_cast<std::size_t>(q)];
