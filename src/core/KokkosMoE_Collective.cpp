@@ -1,12 +1,18 @@
 #include <KokkosMoE_Collective.hpp>
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -93,14 +99,47 @@ std::string comm_name(MPI_Comm comm) {
 
 Watchdog::Watchdog(double limit_seconds) : limit_(limit_seconds) {
   last_ = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  started_ = last_;
+}
+
+bool oversubscribed() {
+  static bool const value = [] {
+    if (char const* w = std::getenv("KOKKOSMOE_WAIT")) {
+      std::string const v = w;
+      if (v == "sleep") return true;
+      if (v == "spin") return false;
+    }
+    // Ranks on this host, as the launcher tells them (no collective here).
+    long ranks = 0;
+    for (char const* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"})
+      if (char const* v = std::getenv(name)) {
+        ranks = std::atol(v);
+        if (ranks > 0) break;
+      }
+    unsigned const cores = std::thread::hardware_concurrency();
+    return ranks > 0 && cores > 0 && ranks > static_cast<long>(cores);
+  }();
+  return value;
 }
 
 bool Watchdog::expired() {
-  if (++spins_ > 64) {
+  double const now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  if (oversubscribed() && now - started_ > 50e-6) {
+    // More ranks than cores: a rank that has waited a while hands its core
+    // over for a moment (a yield need not: a scheduler may run the yielder
+    // again at once, and its peer waits a whole time slice).
+    static thread_local bool const slack = [] {
+#ifdef __linux__
+      prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // wake within ~1 us of the request, not the default 50 us
+#endif
+      return true;
+    }();
+    (void)slack;
+    std::this_thread::sleep_for(std::chrono::microseconds(5));
+  } else if (++spins_ > 64) {
     std::this_thread::yield();  // oversubscribed ranks must let their peers run
     spins_ = 0;
   }
-  double const now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   waited_ += std::min(now - last_, 0.1);
   last_ = now;
   return limit_ > 0 && waited_ > limit_;

@@ -64,8 +64,16 @@ class Watchdog {
   double limit_;
   double waited_ = 0;
   double last_;
+  double started_;
   int spins_ = 0;
 };
+
+/// \brief True when this host runs more ranks than it has cores (the
+/// launcher's local rank count, OMPI_COMM_WORLD_LOCAL_SIZE and the like,
+/// against the hardware threads), or KOKKOSMOE_WAIT=sleep; false with
+/// KOKKOSMOE_WAIT=spin. Waits then sleep briefly between polls once they
+/// have lasted 50 us, so that the ranks they wait for get the core.
+bool oversubscribed();
 
 /// \brief Polls a nonblocking MPI collective request until it completes,
 /// yielding the core to oversubscribed peers; with a watchdog (limit > 0),
