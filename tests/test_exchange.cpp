@@ -764,6 +764,29 @@ TEST_CASE("a send buffer reused before its transfer completed is caught when sen
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+TEST_CASE("transport: rows a rank placed for itself are not copied over", "[exchange][transport]") {
+  auto topo = nodes_of(1);
+  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  auto const& ep = comms.ep();
+  Exec exec;
+  int const P = ep.size(), me = ep.my_slot();
+  index_t const per_peer = 2;
+  std::vector<index_t> counts(static_cast<std::size_t>(P), per_peer);
+  using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>;
+  MpiTransport<Exec, MS> mpi;
+  for (bool const in_place : {false, true}) {
+    INFO("self_in_place " << in_place);
+    rows_view send("send", P * per_peer, 8), recv("recv", P * per_peer, 8);
+    Kokkos::deep_copy(send, static_cast<unsigned char>(1 + me));
+    Kokkos::deep_copy(recv, static_cast<unsigned char>(255));  // what the caller placed for itself
+    mpi.alltoallv(exec, ep, {RowSet<MS>{send, recv, {}, {}, in_place}}, counts, counts, "self rows", TransportOptions{});
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recv);
+    for (int p = 0; p < P; ++p)
+      for (index_t r = 0; r < per_peer; ++r)
+        CHECK(h(p * per_peer + r, 0) == (p == me && in_place ? 255 : 1 + p));
+  }
+}
+
 TEST_CASE("counts and run lengths agreed in one round: bad announcements fail every rank", "[exchange][transport][errors]") {
   auto topo = nodes_of(1);
   Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
