@@ -180,7 +180,8 @@ class MoELayer {
         shared_(std::move(shared)),
         router_(config_.router),
         runner_(config_.runner),
-        shared_runner_(config_.shared_runner) {
+        shared_runner_(config_.shared_runner),
+        backward_(backward_options(config_.runner)) {
     config_.exchange.top_k = config_.router.top_k;
     collective(comms.ep().comm(), "MoE layer setup", [&] { check_setup(); }, config_.exchange.watchdog_seconds);
     device_placement_ = make_device_placement<MemorySpace>(placement_);
@@ -549,6 +550,14 @@ class MoELayer {
       shared_n_ = n;
     }
     return shared_offsets_;
+  }
+
+  /// The experts' backward computes with the GEMM the deck chose for the
+  /// forward runner (`[experts] gemm`).
+  static Experts::BackwardOptions backward_options(Experts::RunnerOptions const& runner) {
+    Experts::BackwardOptions o;
+    o.gemm_path = runner.gemm_path;
+    return o;
   }
 
   /// \brief The last route table (from forward()).
