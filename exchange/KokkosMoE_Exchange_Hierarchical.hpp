@@ -29,7 +29,11 @@
 /// itself either: its stage-1 rows for itself are packed straight among
 /// its stage-1 arrivals, and the rows that stay (kept stage-1 rows, a
 /// relay's own stage-3 rows) are read where they are by the final gather
-/// and written there by the combine's first scatter (State::final_pieces).
+/// and written there by the combine's first scatter (State::final_pieces),
+/// except the kept rows a rank sent itself, which that scatter writes
+/// straight into the caller's return buffer (State::combine_pieces). The
+/// one self copy left is a relay's own transit rows, which come back
+/// through the reverse of stage 2 into the stage-1 layout.
 /// The start forms post the relay-to-relay stage (the inter-node one) and
 /// return: dispatch_start runs stage 1 and posts stage 2, dispatch_finish
 /// waits for it, runs stage 3 and restores the flat order; combine_start
@@ -85,6 +89,14 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     /// them (the kept stage-1 arrivals, the relay's own stage-3 rows), by
     /// first position; every other position is its own row of the final buffer.
     Kokkos::View<FinalPiece*, MS> final_pieces;
+    /// The same positions on the combine's way back, where the kept rows
+    /// this rank sent itself in stage 1 go straight to their places in the
+    /// return buffer (part 3) instead of the stage-1 layout.
+    Kokkos::View<FinalPiece*, MS> combine_pieces;
+    /// A relay's own transit rows: stage-1 arrival runs (coming back through
+    /// the reverse of stage 2) and their runs in the return buffer, the
+    /// only rows the combine copies to the rank itself.
+    std::vector<std::pair<index_t, index_t>> self_transit_runs, self_transit_return_runs;
   };
 
   /// \brief What a dispatch in flight keeps until dispatch_finish.
@@ -217,7 +229,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto const type = this->config_.return_payload;
     auto s1_back = payload_buffer(this->work_, exec, "s1_recv_back", type, d, Impl::total(st->s1.recv_counts));
     auto s2_in_back = payload_buffer(this->work_, exec, "s2_in_back", type, d, st->s3.input_rows);
-    auto fin = uncanonical(exec, *st, h, expert_out, s1_back, s2_in_back);
+    auto fin = uncanonical(exec, *st, h, expert_out, s1_back, s2_in_back, returned);
     reverse_scatter(exec, *st, fin, s2_in_back, h.ledger, lap);
     reverse_relay(exec, *st, s2_in_back, s1_back, h.ledger, lap, &h.flight);
     h.pending = CombineFlight{fin, s1_back};
@@ -545,22 +557,82 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     agree(comms.ep().comm(), problem_of([&] {
             h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
             this->set_expert_rows(exec, h, h.repack.slot_counts, d);
-            gather_expert_rows(exec, PayloadParts<MS>{r3, r1, r2}, st.final_pieces, cf, h.repack.perm, h.expert_rows);
+            gather_expert_rows(exec, PayloadParts<MS>{r3, r1, r2, {}}, st.final_pieces, cf, h.repack.perm, h.expert_rows);
           }),
           "hierarchical dispatch repack", this->config_.watchdog_seconds);
   }
 
   /// The pieces of the final buffer that stay where earlier stages put
   /// them: the kept runs (front, from the stage-1 arrivals) and the relay's
-  /// own stage-3 runs (from the stage-2 arrivals).
+  /// own stage-3 runs (from the stage-2 arrivals). On the way back, the
+  /// kept rows of the rank's own stage-1 segment go to the return buffer
+  /// (combine_pieces), and the rest of that segment (a relay's own transit
+  /// rows) is copied there after the reverse of stage 2.
   void set_final_pieces(State& st) const {
-    std::vector<FinalPiece> pieces;
-    index_t at = 0;
+    std::vector<FinalPiece> pieces, back;
+    int const self = this->comms_->node_local().my_slot();
+    // The own segment of the stage-1 arrivals, run by run to the return
+    // buffer's rows (the plan positions the rows were packed from).
+    struct SelfRun {
+      index_t arrival, returned, rows;
+    };
+    std::vector<SelfRun> self_runs;
+    index_t self_lo = 0;
+    for (int k = 0; k < self; ++k) self_lo += st.s1.recv_counts[static_cast<std::size_t>(k)];
+    index_t const self_hi = self_lo + st.s1.recv_counts[static_cast<std::size_t>(self)];
+    {
+      index_t a = self_lo;
+      for (auto const& [q, n] : st.s1_return_runs[static_cast<std::size_t>(self)]) {
+        self_runs.push_back({a, q, n});
+        a += n;
+      }
+      KOKKOSMOE_REQUIRE(a == self_hi, "hierarchical exchange: the own stage-1 rows (" << self_hi - self_lo
+                                                                                      << ") and their return runs (" << a - self_lo
+                                                                                      << " rows) disagree");
+    }
+    // Arrival rows [a, e) from final position f on: emit(f, row, n, in
+    // the return buffer) per piece (part 1, or part 3 inside the own segment).
+    auto split = [&](index_t f, index_t a, index_t e, auto&& emit) {
+      std::size_t r = 0;
+      while (a < e) {
+        if (a < self_lo || a >= self_hi) {
+          index_t const end = a < self_lo ? std::min(e, self_lo) : e;
+          emit(f, a, end - a, false);
+          f += end - a;
+          a = end;
+          continue;
+        }
+        while (self_runs[r].arrival + self_runs[r].rows <= a) ++r;
+        SelfRun const& run = self_runs[r];
+        index_t const n = std::min(e, run.arrival + run.rows) - a;
+        emit(f, run.returned + (a - run.arrival), n, true);
+        f += n;
+        a += n;
+      }
+    };
+    st.self_transit_runs.clear();
+    st.self_transit_return_runs.clear();
+    auto transit = [&](index_t a, index_t e) {  // own rows [a, e) that are not kept
+      split(0, a, e, [&](index_t, index_t q, index_t n, bool) {
+        st.self_transit_return_runs.push_back({q, n});
+        st.self_transit_runs.push_back({a, n});
+        a += n;
+      });
+    };
+    index_t at = 0, own = self_lo;  // own: the first own arrival row not yet accounted for
     for (auto const& [first, n] : st.kept_runs) {
-      if (n > 0) pieces.push_back({at, n, part_row(1, first)});
+      if (n == 0) continue;
+      pieces.push_back({at, n, part_row(1, first)});
+      if (first < self_hi && first + n > self_lo) {
+        transit(own, std::max(own, first));
+        own = std::max(own, first + n);
+      }
+      split(at, first, first + n, [&](index_t f, index_t row, index_t len, bool to_return) {
+        back.push_back({f, len, part_row(to_return ? 3 : 1, row)});
+      });
       at += n;
     }
-    int const self = this->comms_->node_local().my_slot();
+    transit(own, self_hi);
     if (self >= 0 && static_cast<std::size_t>(self) < st.s3_runs.size()) {
       // The own segment's runs in the stage-3 receive runs pair with the
       // own send runs over the stage-2 arrivals, in order.
@@ -570,16 +642,23 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       index_t di = 0, sj = 0;
       while (i < dst.size() && j < src.size()) {
         index_t const n = std::min(dst[i].second - di, src[j].second - sj);
-        if (n > 0) pieces.push_back({st.kept + dst[i].first + di, n, part_row(2, src[j].first + sj)});
+        if (n > 0) {
+          pieces.push_back({st.kept + dst[i].first + di, n, part_row(2, src[j].first + sj)});
+          back.push_back(pieces.back());
+        }
         di += n;
         sj += n;
         if (di == dst[i].second) ++i, di = 0;
         if (sj == src[j].second) ++j, sj = 0;
       }
     }
-    std::sort(pieces.begin(), pieces.end(), [](FinalPiece const& a, FinalPiece const& b) { return a.first < b.first; });
+    auto by_first = [](FinalPiece const& a, FinalPiece const& b) { return a.first < b.first; };
+    std::sort(pieces.begin(), pieces.end(), by_first);
+    std::sort(back.begin(), back.end(), by_first);
     if (pieces.empty()) pieces.push_back({0, 0, 0});  // never matches: every position is its own
+    if (back.empty()) back.push_back({0, 0, 0});
     st.final_pieces = Impl::device_vector<MS>(pieces, "KokkosMoE::HierarchicalExchange::final_pieces");
+    st.combine_pieces = Impl::device_vector<MS>(back, "KokkosMoE::HierarchicalExchange::combine_pieces");
   }
 
   /// Where final-buffer position f's row is (a PayloadParts row: part 0 the
@@ -614,14 +693,14 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   /// stage-3 rows).
   template <class T>
   PayloadBuffer<MS> uncanonical(Exec const& exec, State const& st, DispatchHandle<T, MS> const& h, RowMatrix<T, MS> const& expert_out,
-                                PayloadBuffer<MS> const& s1_back, PayloadBuffer<MS> const& s2_in_back) {
+                                PayloadBuffer<MS> const& s1_back, PayloadBuffer<MS> const& s2_in_back, PayloadBuffer<MS> const& returned) {
     int const d = static_cast<int>(h.expert_rows.extent(1));
     auto fin = payload_buffer(this->work_, exec, "combine_final", this->config_.return_payload, d, h.rows());
     auto cf = st.canonical_from;
     auto perm = h.repack.perm;
-    auto pieces = st.final_pieces;
+    auto pieces = st.combine_pieces;
     scatter_rows(exec, expert_out, KOKKOS_LAMBDA(index_t q)->index_t { return final_row(pieces, cf(perm(q))); },
-                 PayloadParts<MS>{fin, s1_back, s2_in_back}, "KokkosMoE::HierarchicalExchange::uncanonical");
+                 PayloadParts<MS>{fin, s1_back, s2_in_back, returned}, "KokkosMoE::HierarchicalExchange::uncanonical");
     return fin;
   }
 
@@ -683,9 +762,14 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     index_t const r1 = Impl::total(s1.recv_counts);
     PayloadBuffer<MS> const& s1_recv_back = s2_back;  // transit and kept rows already in place
     agree_counts(node, s1.recv_counts, r1, &s1.send_counts, "hierarchical combine stage 1 counts", this->options());
-    this->transport_->alltoallv(exec, node, {RowSet<MS>{s1_recv_back.bytes, returned.bytes, st.s1_back_runs, st.s1_return_runs}}, s1.recv_counts,
-                                s1.send_counts, "hierarchical combine stage 1 rows", this->options());
+    // The own kept rows are in the return buffer already (uncanonical wrote
+    // them there); a relay's own transit rows are copied over.
+    Impl::copy_self_rows(exec, returned.bytes, st.self_transit_return_runs, s1_recv_back.bytes, st.self_transit_runs);
+    this->transport_->alltoallv(exec, node,
+                                {RowSet<MS>{s1_recv_back.bytes, returned.bytes, st.s1_back_runs, st.s1_return_runs, /*self_in_place=*/true}},
+                                s1.recv_counts, s1.send_counts, "hierarchical combine stage 1 rows", this->options());
     StageLedger sl{"return from relay + node-local direct", node.name()};
+    sl.self_in_place = st.self_transit_runs.empty();
     auto const runs = runs_per_peer(st.s1_back_runs);
     add_sends(sl, s1.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0, &runs);
     ledger.combine.stages.push_back(sl);

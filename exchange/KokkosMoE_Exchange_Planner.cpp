@@ -241,6 +241,9 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
       add_sends(c2, in_order(column(s2), rg), rg, me, nor, l.combine_row_bytes, 0, &runs);
     }
     StageLedger c1{"return from relay + node-local direct", node_name};
+    // The own kept rows are written into the return buffer by the first
+    // scatter; a rank that is its own relay copies its transit rows back.
+    c1.self_in_place = !(relay_of(me) == me && transit[static_cast<std::size_t>(me)] > 0);
     auto const runs_c1 = in_order(column(runs1), group);
     add_sends(c1, in_order(column(s1), group), group, me, nor, l.combine_row_bytes, 0, &runs_c1);
     l.combine.stages = {c3, c2, c1};

@@ -247,7 +247,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           index_t const a = pool_route(static_cast<int>(r / pool), j - H);
           return a >= 0 ? static_cast<index_t>(token(a)) : -1;
         },
-        KokkosMoE::Impl::row_access(PayloadParts<MS>{send, recv}), KOKKOS_LAMBDA(index_t r) { return pool_target(r, pool, me); },
+        KokkosMoE::Impl::row_access(PayloadParts<MS>{send, recv, {}, {}}), KOKKOS_LAMBDA(index_t r) { return pool_target(r, pool, me); },
         MissingRow::zero, "KokkosMoE::PooledWave::pack");
     // One thread per pool packs its ids (bits wide, little-endian).
     Kokkos::parallel_for(
@@ -404,7 +404,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           index_t const j = r % pool;
           return j < H ? -1 : compact_of((r / pool) * Rs + (j - H));
         },
-        KokkosMoE::Impl::row_access(PayloadParts<MS>{back, got}), KOKKOS_LAMBDA(index_t r) { return pool_target(r, pool, me); },
+        KokkosMoE::Impl::row_access(PayloadParts<MS>{back, got, {}, {}}), KOKKOS_LAMBDA(index_t r) { return pool_target(r, pool, me); },
         MissingRow::zero, "KokkosMoE::PooledWave::return_rows");
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * flag_bytes),

@@ -174,40 +174,43 @@ TEST_CASE("row kit: missing rows are skipped or zeroed; records move whole", "[c
 TEST_CASE("row kit: payload parts read and write each row in the buffer its index names", "[core][rowkit]") {
   Exec exec;
   int const d = 6;
-  index_t const n0 = 5, n1 = 3, n2 = 4, n = n0 + n1 + n2;
+  index_t const n0 = 5, n1 = 3, n2 = 4, n3 = 2, n = n0 + n1 + n2 + n3;
   auto src = random_rows<float>(n, d, 13);
   PayloadBuffer<MS> all("all", PayloadType::fp32, d, n);
   gather_rows(exec, src, KOKKOS_LAMBDA(index_t p)->index_t { return p; }, all, "test::all");
-  // The same rows split over three buffers: row p of part k is all's row base_k + p.
-  PayloadBuffer<MS> a("a", PayloadType::fp32, d, n0), b("b", PayloadType::fp32, d, n1), c("c", PayloadType::fp32, d, n2);
+  // The same rows split over four buffers: row p of part k is all's row base_k + p.
+  PayloadBuffer<MS> a("a", PayloadType::fp32, d, n0), b("b", PayloadType::fp32, d, n1), c("c", PayloadType::fp32, d, n2),
+      e("e", PayloadType::fp32, d, n3);
   copy_row_range(exec, a.bytes, 0, all.bytes, 0, n0);
   copy_row_range(exec, b.bytes, 0, all.bytes, n0, n1);
   copy_row_range(exec, c.bytes, 0, all.bytes, n0 + n1, n2);
+  copy_row_range(exec, e.bytes, 0, all.bytes, n0 + n1 + n2, n3);
   // Row q of the result: all's row (q * 5) % n, named by its part.
   auto where = KOKKOS_LAMBDA(index_t q)->index_t {
     index_t const r = (q * 5) % n;
-    return r < n0 ? part_row(0, r) : r < n0 + n1 ? part_row(1, r - n0) : part_row(2, r - n0 - n1);
+    return r < n0 ? part_row(0, r) : r < n0 + n1 ? part_row(1, r - n0) : r < n0 + n1 + n2 ? part_row(2, r - n0 - n1) : part_row(3, r - n0 - n1 - n2);
   };
   RowMatrix<float, MS> got("got", n, d);
-  gather_rows(exec, PayloadParts<MS>{a, b, c}, where, got, "test::parts_gather");
+  gather_rows(exec, PayloadParts<MS>{a, b, c, e}, where, got, "test::parts_gather");
   auto const hs = host_floats(src), hg = host_floats(got);
   for (index_t q = 0; q < n; ++q)
     for (int j = 0; j < d; ++j) REQUIRE(hg[static_cast<std::size_t>(q * d + j)] == hs[static_cast<std::size_t>(((q * 5) % n) * d + j)]);
   // Scattered back through the same index into fresh parts: every part holds its rows again.
-  PayloadBuffer<MS> a2("a2", PayloadType::fp32, d, n0), b2("b2", PayloadType::fp32, d, n1), c2("c2", PayloadType::fp32, d, n2);
-  scatter_rows(exec, got, where, PayloadParts<MS>{a2, b2, c2}, "test::parts_scatter");
-  for (auto const& [x, y] : {std::pair<PayloadBuffer<MS>, PayloadBuffer<MS>>{a, a2}, {b, b2}, {c, c2}}) {
+  PayloadBuffer<MS> a2("a2", PayloadType::fp32, d, n0), b2("b2", PayloadType::fp32, d, n1), c2("c2", PayloadType::fp32, d, n2),
+      e2("e2", PayloadType::fp32, d, n3);
+  scatter_rows(exec, got, where, PayloadParts<MS>{a2, b2, c2, e2}, "test::parts_scatter");
+  for (auto const& [x, y] : {std::pair<PayloadBuffer<MS>, PayloadBuffer<MS>>{a, a2}, {b, b2}, {c, c2}, {e, e2}}) {
     auto hx = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x.bytes);
     auto hy = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y.bytes);
     CHECK(kmoe_test::same_bits(hx, hy));
   }
   // An absent part (no rows) takes the others' shape; parts of another width are refused.
   RowMatrix<float, MS> two("two", n0, d);
-  gather_rows(exec, PayloadParts<MS>{a, PayloadBuffer<MS>{}, PayloadBuffer<MS>{}}, KOKKOS_LAMBDA(index_t q)->index_t { return q; }, two,
+  gather_rows(exec, PayloadParts<MS>{a, PayloadBuffer<MS>{}, PayloadBuffer<MS>{}, PayloadBuffer<MS>{}}, KOKKOS_LAMBDA(index_t q)->index_t { return q; }, two,
               "test::parts_absent");
   CHECK(host_floats(two) == std::vector<float>(hs.begin(), hs.begin() + n0 * d));
   PayloadBuffer<MS> wide("wide", PayloadType::fp32, d + 1, 2);
-  CHECK_THROWS_WITH(gather_rows(exec, PayloadParts<MS>{a, wide, c}, where, got, "test::parts_bad"),
+  CHECK_THROWS_WITH(gather_rows(exec, PayloadParts<MS>{a, wide, c, e}, where, got, "test::parts_bad"),
                     Catch::Matchers::Contains("payload width 7 decoded into rows of width 6"));
 }
 

@@ -22,7 +22,7 @@
 /// usable in kernels (a lambda over a View, say). Plus contiguous row-range
 /// copies and zero fills.
 ///
-/// PayloadParts: up to three payload buffers of one type and width seen as
+/// PayloadParts: up to four payload buffers of one type and width seen as
 /// one row container whose row index names the part (part_row(part, row)),
 /// so that one gather or scatter reads rows from (writes rows to) wherever
 /// they already are instead of first copying them into one buffer.
@@ -41,16 +41,16 @@ namespace KokkosMoE {
 /// \brief What a gather writes for a row whose source index is negative.
 enum class MissingRow { skip, zero };
 
-/// \brief Row `row` of part `part` (0, 1, 2) of a PayloadParts.
+/// \brief Row `row` of part `part` (0..3) of a PayloadParts.
 KOKKOS_INLINE_FUNCTION index_t part_row(int part, index_t row) { return (static_cast<index_t>(part) << 40) | row; }
 KOKKOS_INLINE_FUNCTION int row_part(index_t r) { return static_cast<int>(r >> 40); }
 KOKKOS_INLINE_FUNCTION index_t part_local_row(index_t r) { return r & ((index_t(1) << 40) - 1); }
 
-/// \brief Up to three payload buffers of one type and width as one row
+/// \brief Up to four payload buffers of one type and width as one row
 /// container (see the file comment); an absent part has no rows.
 template <class MS>
 struct PayloadParts {
-  PayloadBuffer<MS> part0, part1, part2;
+  PayloadBuffer<MS> part0, part1, part2, part3;
 };
 
 /// \brief A reusable PayloadBuffer of n rows from a workspace.
@@ -106,8 +106,9 @@ PayloadRows<MS> row_access(PayloadBuffer<MS> const& b) { return PayloadRows<MS>(
 /// Rows of several payload buffers; a row index is part_row(part, row).
 template <class MS>
 struct PartRows {
-  PayloadRows<MS> part0, part1, part2;
+  PayloadRows<MS> part0, part1, part2, part3;
   index_t rows() const { return part0.rows(); }
+  KOKKOS_INLINE_FUNCTION PayloadRows<MS> const& part(int p) const { return p == 0 ? part0 : p == 1 ? part1 : p == 2 ? part2 : part3; }
 };
 template <class MS>
 PartRows<MS> row_access(PayloadParts<MS> const& p) {
@@ -119,7 +120,7 @@ PartRows<MS> row_access(PayloadParts<MS> const& p) {
     }
     return PayloadRows<MS>(b);
   };
-  return PartRows<MS>{PayloadRows<MS>(p.part0), part(p.part1), part(p.part2)};
+  return PartRows<MS>{PayloadRows<MS>(p.part0), part(p.part1), part(p.part2), part(p.part3)};
 }
 /// Any row-major [rows, width] view with contiguous rows.
 template <class T, class... P>
@@ -189,26 +190,12 @@ KOKKOS_INLINE_FUNCTION void copy_row(Member const& team, TypedRows<T, MS> const&
 // Rows of a PartRows: the part named by the index.
 template <class Member, class MS, class Dst>
 KOKKOS_INLINE_FUNCTION void copy_row(Member const& team, PartRows<MS> const& src, index_t s, Dst const& dst, index_t q) {
-  int const part = row_part(s);
-  index_t const row = part_local_row(s);
-  if (part == 0)
-    copy_row(team, src.part0, row, dst, q);
-  else if (part == 1)
-    copy_row(team, src.part1, row, dst, q);
-  else
-    copy_row(team, src.part2, row, dst, q);
+  copy_row(team, src.part(row_part(s)), part_local_row(s), dst, q);
 }
 
 template <class Member, class T, class MS>
 KOKKOS_INLINE_FUNCTION void copy_row(Member const& team, TypedRows<T, MS> const& src, index_t s, PartRows<MS> const& dst, index_t q) {
-  int const part = row_part(q);
-  index_t const row = part_local_row(q);
-  if (part == 0)
-    copy_row(team, src, s, dst.part0, row);
-  else if (part == 1)
-    copy_row(team, src, s, dst.part1, row);
-  else
-    copy_row(team, src, s, dst.part2, row);
+  copy_row(team, src, s, dst.part(row_part(q)), part_local_row(q));
 }
 
 template <class Member, class MS>
@@ -226,8 +213,7 @@ KOKKOS_INLINE_FUNCTION void zero_row(Member const& team, TypedRows<T, MS> const&
 
 template <class Member, class MS>
 KOKKOS_INLINE_FUNCTION void zero_row(Member const& team, PartRows<MS> const& dst, index_t q) {
-  int const part = row_part(q);
-  zero_row(team, part == 0 ? dst.part0 : part == 1 ? dst.part1 : dst.part2, part_local_row(q));
+  zero_row(team, dst.part(row_part(q)), part_local_row(q));
 }
 
 // Shape checks shared by gathers and scatters.
@@ -249,12 +235,14 @@ void check_pair(PartRows<MS> const& s, Dst const& d, char const* label) {
   check_pair(s.part0, d, label);
   check_pair(s.part1, d, label);
   check_pair(s.part2, d, label);
+  check_pair(s.part3, d, label);
 }
 template <class T, class MS>
 void check_pair(TypedRows<T, MS> const& s, PartRows<MS> const& d, char const* label) {
   check_pair(s, d.part0, label);
   check_pair(s, d.part1, label);
   check_pair(s, d.part2, label);
+  check_pair(s, d.part3, label);
 }
 template <class T, class U, class MS>
 void check_pair(TypedRows<T, MS> const& s, TypedRows<U, MS> const& d, char const* label) {
