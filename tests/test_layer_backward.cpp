@@ -130,6 +130,7 @@ TEST_CASE("layer backward equals directional finite differences", "[layer][backw
   LayerGradients<MS> g;
   BackwardRecord const rec = b.layer->backward(exec, hidden, dOut, dX, g);
   CHECK(rec.experts.recomputed == false);  // the recompute keeps the activations for the experts' backward
+  CHECK(rec.experts.path == "swiglu[generic,saved]");  // the deck's [experts] gemm, in the backward too
   CHECK(rec.seconds.count("total") == 1);
   double const h = 2e-3;
   auto close = [](double got, double want) { return std::abs(got - want) <= 2e-3 * (std::abs(want) + 0.05); };
