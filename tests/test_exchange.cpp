@@ -36,6 +36,9 @@ Topology::Topology nodes_of(int rpn) {
   return Topology::Topology::discover(MPI_COMM_WORLD, s);
 }
 
+/// The world as one node, and its communicators.
+Topology::CommunicatorSet one_node_comms() { return Topology::CommunicatorSet(MPI_COMM_WORLD, nodes_of(1), Topology::CommSpec{}); }
+
 std::vector<int> nodes_vector(Topology::Topology const& t) {
   std::vector<int> n;
   for (int r = 0; r < t.size(); ++r) n.push_back(t.node_of(r));
@@ -730,8 +733,7 @@ TEST_CASE("a send buffer reused before its transfer completed is caught when sen
   // transfer; an untouched buffer passes, and without verification the
   // rows simply move.
   int const size = world_size();
-  auto topo = nodes_of(1);
-  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  Topology::CommunicatorSet comms = one_node_comms();
   auto const& ep = comms.ep();
   Exec exec;
   int const P = ep.size();
@@ -765,8 +767,7 @@ TEST_CASE("a send buffer reused before its transfer completed is caught when sen
 }
 
 TEST_CASE("transport: rows a rank placed for itself are not copied over", "[exchange][transport]") {
-  auto topo = nodes_of(1);
-  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  Topology::CommunicatorSet comms = one_node_comms();
   auto const& ep = comms.ep();
   Exec exec;
   int const P = ep.size(), me = ep.my_slot();
@@ -788,8 +789,7 @@ TEST_CASE("transport: rows a rank placed for itself are not copied over", "[exch
 }
 
 TEST_CASE("counts and run lengths agreed in one round: bad announcements fail every rank", "[exchange][transport][errors]") {
-  auto topo = nodes_of(1);
-  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  Topology::CommunicatorSet comms = one_node_comms();
   auto const& ep = comms.ep();
   int const P = ep.size();
   std::vector<index_t> counts(static_cast<std::size_t>(P), 3);
@@ -821,8 +821,7 @@ TEST_CASE("rows given as runs leave from and arrive at their places, small runs 
   // receives each peer's rows into 3 runs placed back to front as well; run
   // lengths are announced with the counts (agree_counts_and_runs). Narrow
   // rows take the indexed-datatype message, wide rows one message per run.
-  auto topo = nodes_of(1);
-  Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  Topology::CommunicatorSet comms = one_node_comms();
   auto const& ep = comms.ep();
   Exec exec;
   int const P = ep.size(), me = ep.my_slot();
