@@ -538,7 +538,6 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       std::vector<std::pair<index_t, index_t>> const front{{0, st.kept}};
       Impl::copy_self_rows(exec, as_rows(fin_meta), front, as_rows(r1_meta), st.kept_runs);
     }
-    set_final_pieces(st);
     auto ep_slot = ep_slot_;
     int const P = comms.ep().size();
     auto keyc = this->work_.template vector<int>(exec, "keyc", nf);
@@ -555,6 +554,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     h.recv_counts.resize(static_cast<std::size_t>(P));
     for (int p = 0; p < P; ++p) h.recv_counts[p] = ho[p + 1] - ho[p];
     agree(comms.ep().comm(), problem_of([&] {
+            set_final_pieces(st);  // checks the own rows against their return runs: a failure fails every rank
             h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
             this->set_expert_rows(exec, h, h.repack.slot_counts, d);
             gather_expert_rows(exec, PayloadParts<MS>{r3, r1, r2, {}}, st.final_pieces, cf, h.repack.perm, h.expert_rows);
