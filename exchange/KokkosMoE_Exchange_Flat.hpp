@@ -72,7 +72,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     auto arrived = payload_buffer(this->work_, exec, "arrived", this->config_.payload, d, n);
     h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", n);
     h.flight = this->transport_->start_alltoallv(
-        exec, ep, {RowSet<MemorySpace>{send.bytes, arrived.bytes}, RowSet<MemorySpace>{as_rows(meta), as_rows(h.arrived_meta)}},
+        exec, ep, {RowSet<MemorySpace>{send.bytes, arrived.bytes}, record_rows(meta, h.arrived_meta)},
         plan.counts, agreed.recv, "flat dispatch rows", this->options());
     h.ledger = this->new_ledger(d);
     StageLedger stage{"all-to-all", ep.name()};

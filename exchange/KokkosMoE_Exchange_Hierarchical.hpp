@@ -835,7 +835,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     RowRuns const& rr = runs && send_in_runs ? *recv_runs : none;
     if (place_self) place_self(arrivals);
     std::vector<RowSet<MS>> const sets{RowSet<MS>{send.bytes, arrivals.bytes, r, rr, static_cast<bool>(place_self)},
-                                       RowSet<MS>{as_rows(send_meta), as_rows(arrivals_meta), r, rr}};
+                                       record_rows(send_meta, arrivals_meta, r, rr)};
     if (flight)
       *flight = this->transport_->start_alltoallv(exec, comm, sets, stage.send_counts, stage.recv_counts, (what + " rows").c_str(),
                                                   this->options());

@@ -26,6 +26,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <any>
 #include <functional>
 #include <memory>
 #include <string>
@@ -57,7 +58,9 @@ inline std::vector<std::int64_t> runs_per_peer(RowRuns const& runs) {
 /// runs add up to its count. Runs on one side need runs on the other.
 /// With self_in_place, the caller's own rows are already where it wants
 /// them (written straight to the receive side, or read later from the send
-/// side): the transport copies nothing for them.
+/// side): the transport copies nothing for them. A started transfer keeps
+/// its sets, so managed views stay allocated until it finishes; `owners`
+/// does the same for the allocations under unmanaged views (record_rows).
 template <class MemorySpace>
 struct RowSet {
   using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace>;
@@ -69,7 +72,19 @@ struct RowSet {
   RowRuns send_runs;  ///< empty: contiguous segments by send counts
   RowRuns recv_runs;  ///< empty: contiguous segments by recv counts
   bool self_in_place = false;  ///< the rank's own rows need no copy
+  std::any owners;  ///< what send and recv point into, where they are unmanaged
 };
+
+/// \brief The rows of two record views (e.g. RowMeta): their bytes, one row
+/// per record; the set owns both views, so a buffer handed back to a
+/// workspace is not reused while a started transfer still reads or writes it.
+template <class SendRecords, class RecvRecords>
+RowSet<typename SendRecords::memory_space> record_rows(SendRecords const& send, RecvRecords const& recv, RowRuns send_runs = {},
+                                                       RowRuns recv_runs = {}) {
+  RowSet<typename SendRecords::memory_space> s(as_rows(send), as_rows(recv), std::move(send_runs), std::move(recv_runs));
+  s.owners = std::make_pair(send, recv);
+  return s;
+}
 
 /// \brief True when device buffers may be passed to MPI: the configured
 /// policy (KokkosMoE_CUDA_AWARE_MPI), else MPIX_Query_cuda_support() when the

@@ -504,6 +504,40 @@ TEST_CASE("faults: count mismatch, stale handles and a skipped call fail every r
     HierarchicalExchange<> hier(comms, placement, fp32);
     in_flight(hier);
   }
+  SECTION("two dispatches in flight at once: each keeps its send rows until it finishes") {
+    // Two steps' dispatches started back to back (other routes, so other
+    // metadata), then finished: with verify_send_rows a send buffer the
+    // second start reused while the first was in flight fails the first
+    // finish; each step delivers what its blocking form delivers.
+    auto verified = fp32;
+    verified.verify_send_rows = true;
+    HostRoutes other = routes;
+    for (auto& e : other.expert) e = (e + 1) % (2 * size);
+    RowMatrix<float, MS> rows("rows", 4, 4);  // distinct rows: a misplaced row shows
+    auto hr = Kokkos::create_mirror_view(rows);
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 4; ++j) hr(t, j) = static_cast<float>(100 * rank + 10 * t + j);
+    Kokkos::deep_copy(rows, hr);
+    auto both = [&](auto& xchg) {
+      auto const [rp1, plan1] = plans_of(comms, placement, routes, rank, 0, nor[rank]);
+      auto const [rp2, plan2] = plans_of(comms, placement, other, rank, 0, nor[rank]);
+      auto h1 = xchg.dispatch_start(exec, rp1, plan1, rows);
+      auto h2 = xchg.dispatch_start(exec, rp2, plan2, rows);
+      CHECK_NOTHROW(xchg.dispatch_finish(exec, h1));
+      CHECK_NOTHROW(xchg.dispatch_finish(exec, h2));
+      auto const blocking1 = xchg.dispatch(exec, rp1, plan1, rows);
+      auto const blocking2 = xchg.dispatch(exec, rp2, plan2, rows);
+      for (auto const& [h, b] : {std::pair{&h1, &blocking1}, std::pair{&h2, &blocking2}}) {
+        CHECK(h->expert_counts == b->expert_counts);
+        auto const x = to_host_vector(h->expert_rows), y = to_host_vector(b->expert_rows);
+        CHECK(kmoe_test::same_bits(x, y));
+      }
+    };
+    FlatExchange<> flat(comms, placement, verified);
+    both(flat);
+    HierarchicalExchange<> hier(comms, placement, verified);
+    both(hier);
+  }
   SECTION("a handle of another algorithm") {
     FlatExchange<> flat(comms, placement, fp32);
     HierarchicalExchange<> hier(comms, placement, fp32);
