@@ -27,7 +27,8 @@
 ///   (register-tiled, float or bf16 rows and weights). Where a vendor grouped
 ///   GEMM applies (cuBLAS cublasGemmGroupedBatchedEx on CUDA, tensor cores
 ///   for bf16; tpls/KokkosMoE_Experts_Grouped_cuBLAS.hpp) it is the default:
-///   two grouped calls and a SwiGLU kernel, H rounded to the weights' type.
+///   two grouped calls and a SwiGLU kernel, GU, H and the output rounded to
+///   the weights' type (cuBLAS grouped GEMM writes C in the operands' type).
 ///   GroupedKernel forces one mapping. Empty segments cost nothing; a 1-row
 ///   segment costs one tile.
 /// - blas: per non-empty segment, KokkosMoE::gemm (Kokkos Kernels: BLAS on

@@ -10,17 +10,20 @@
 /// stream):
 ///
 ///     phase 1 (2 problems per segment q):  GU_q[:, 0:f]  = X_q Wg_q^T
-///                                          GU_q[:, f:2f] = X_q Wu_q^T   (GU FP32)
-///     SwiGLU (one Kokkos kernel):          H = SiLU(GU[:, 0:f]) * GU[:, f:2f]  (stored as W's type)
-///     phase 2 (1 problem per segment q):   Y_q = H_q Wd_q^T              (Y float or W's type)
+///                                          GU_q[:, f:2f] = X_q Wu_q^T   (GU in W's type)
+///     SwiGLU (one Kokkos kernel):          H = SiLU(GU[:, 0:f]) * GU[:, f:2f]  (FP32 math, stored as W's type)
+///     phase 2 (1 problem per segment q):   Y_q = H_q Wd_q^T              (in W's type)
+///     widen (one kernel, only for float Y with narrower weights): Y = float(Y in W's type)
 ///
-/// cuBLAS is column-major: a row-major [rows, K] matrix is its column-major
-/// transpose, so Y_q^T = Wd_q (H_q)^T is the call with op(A) = Wd (A = the
-/// row-major weight, transposed) and op(B) = H_q^T (B = the row-major rows,
-/// not transposed). H is rounded to the weights' type between the phases
-/// (tensor cores take both operands in one type); the portable and host
-/// kernels keep H in FP32, so results agree to the rounding of H, not
-/// bitwise.
+/// cublasGemmGroupedBatchedEx takes C in the type of A and B (16BF->16BF,
+/// 16F->16F, 32F->32F with CUBLAS_COMPUTE_32F; unlike cublasGemmEx it has no
+/// bf16-in, fp32-out form), so with bf16 weights GU and Y leave the tensor
+/// cores rounded to bf16 (accumulated in FP32). cuBLAS is column-major: a
+/// row-major [rows, K] matrix is its column-major transpose, so
+/// Y_q^T = Wd_q (H_q)^T is the call with op(A) = Wd (A = the row-major
+/// weight, transposed) and op(B) = H_q^T (B = the row-major rows, not
+/// transposed). The portable and host kernels keep GU in FP32, so results
+/// agree to the rounding of GU, H and Y to the weights' type, not bitwise.
 ///
 /// Selected by the trait GroupedVendor<Exec, W, X, Y>::available (true here
 /// for Kokkos::Cuda with X of the weights' type and Y float or that type);
@@ -114,8 +117,9 @@ struct GroupedVendor<Kokkos::Cuda, WT, XT, YT,
   static constexpr bool available = true;
   static constexpr char const* name = "cublas";
 
-  /// Runs the two grouped phases and the SwiGLU kernel over segments offs;
-  /// returns the number of launches (grouped calls and kernels).
+  /// Runs the two grouped phases and the SwiGLU kernel over segments offs
+  /// (and the widening kernel for float Y with narrower weights); returns
+  /// the number of launches (grouped calls and kernels).
   template <class MS, class WV, class XV, class YV>
   static int run(Kokkos::Cuda const& exec, WV const& gate, WV const& up, WV const& down, XV const& X,
           std::vector<index_t> const& offs, YV const& Y, Workspace<MS>& ws) {
@@ -125,8 +129,18 @@ struct GroupedVendor<Kokkos::Cuda, WT, XT, YT,
                           (Y.extent(0) <= 1 || static_cast<index_t>(Y.stride(0)) == d),
                       "Experts: cuBLAS path needs contiguous rows (X stride " << X.stride(0) << ", Y stride " << Y.stride(0)
                                                                              << ", d = " << d << ")");
-    auto GU = ws.template matrix<float>(exec, "cublas_gu", n, 2 * static_cast<std::size_t>(f));
+    // cuBLAS grouped GEMM writes C in the operands' type (see the file comment).
+    auto GU = ws.template matrix<WT>(exec, "cublas_gu", n, 2 * static_cast<std::size_t>(f));
     auto H = ws.template matrix<WT>(exec, "cublas_h", n, static_cast<std::size_t>(f));
+    constexpr bool widen = !std::is_same<YT, WT>::value;  // float Y, narrower weights
+    RowMatrix<WT, MS> Yw;
+    WT* y_out = nullptr;
+    if constexpr (widen) {
+      Yw = ws.template matrix<WT>(exec, "cublas_y", n, static_cast<std::size_t>(d));
+      y_out = Yw.data();
+    } else {
+      y_out = Y.data();
+    }
     GroupedProblems p1, p2;
     std::size_t const per_w = static_cast<std::size_t>(d) * static_cast<std::size_t>(f);
     for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
@@ -134,23 +148,33 @@ struct GroupedVendor<Kokkos::Cuda, WT, XT, YT,
       if (rows == 0) continue;
       int const r = static_cast<int>(rows);
       auto const* x = X.data() + static_cast<std::size_t>(b) * d;
-      float* gu = GU.data() + static_cast<std::size_t>(b) * 2 * f;
+      WT* gu = GU.data() + static_cast<std::size_t>(b) * 2 * f;
       p1.add(f, r, d, gate.data() + q * per_w, d, x, d, gu, 2 * f);
       p1.add(f, r, d, up.data() + q * per_w, d, x, d, gu + f, 2 * f);
       p2.add(d, r, f, down.data() + q * per_w, f, H.data() + static_cast<std::size_t>(b) * f, f,
-             Y.data() + static_cast<std::size_t>(b) * d, d);
+             y_out + static_cast<std::size_t>(b) * d, d);
     }
     cublasHandle_t h = cublas_handle(exec);
-    grouped_gemm(h, exec, p1, cuda_data_type<WT>(), CUDA_R_32F, ws, "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase1]");
+    cudaDataType_t const wt = cuda_data_type<WT>();
+    grouped_gemm(h, exec, p1, wt, wt, ws, "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase1]");
     std::size_t const total = static_cast<std::size_t>(n) * static_cast<std::size_t>(f);
     Kokkos::parallel_for(
         "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,swiglu]",
         Kokkos::RangePolicy<Kokkos::Cuda, Kokkos::IndexType<std::size_t>>(exec, 0, total), KOKKOS_LAMBDA(std::size_t i) {
           std::size_t const r = i / static_cast<std::size_t>(f), j = i - r * static_cast<std::size_t>(f);
-          H(r, j) = from_float<WT>(silu(GU(r, j)) * GU(r, f + j));
+          H(r, j) = from_float<WT>(silu(to_float(GU(r, j))) * to_float(GU(r, f + j)));
         });
-    grouped_gemm(h, exec, p2, cuda_data_type<WT>(), cuda_data_type<YT>(), ws,
-                 "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase2]");
+    grouped_gemm(h, exec, p2, wt, wt, ws, "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase2]");
+    if constexpr (widen) {
+      std::size_t const out = static_cast<std::size_t>(n) * static_cast<std::size_t>(d);
+      auto const* src = Yw.data();
+      auto* dst = Y.data();
+      Kokkos::parallel_for(
+          "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,widen]",
+          Kokkos::RangePolicy<Kokkos::Cuda, Kokkos::IndexType<std::size_t>>(exec, 0, out),
+          KOKKOS_LAMBDA(std::size_t i) { dst[i] = to_float(src[i]); });
+      return 4;
+    }
     return 3;
   }
 };
