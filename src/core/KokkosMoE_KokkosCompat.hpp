@@ -59,6 +59,18 @@ KOKKOS_INLINE_FUNCTION bool isnan(float x) { return Kokkos::Experimental::isnan(
 KOKKOS_INLINE_FUNCTION bool isinf(float x) { return Kokkos::Experimental::isinf(x); }
 #endif
 
+/// \brief a * b rounded on its own: never fused with a following add into one
+/// FMA. Device compilers contract a * b + c by default (nvcc --fmad=true), the
+/// host build does not; kernels whose bits must match the host's (the
+/// combine's weighted sums, the router's exp polynomial) multiply with this.
+KOKKOS_INLINE_FUNCTION float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 /// \brief min/max/clamp for kernels (Kokkos 3.4 has no Kokkos::min/max).
 template <class T>
 KOKKOS_INLINE_FUNCTION constexpr T min(T a, T b) { return b < a ? b : a; }

@@ -156,7 +156,7 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
             load8(reinterpret_cast<bf16_t const*>(&rows(inv(a), 0)) + 8 * v, y);
           else
             load8(reinterpret_cast<float const*>(&rows(inv(a), 0)) + 8 * v, y);
-          for (int i = 0; i < 8; ++i) sum[i] += w * y[i];
+          for (int i = 0; i < 8; ++i) sum[i] += Compat::mul_rn(w, y[i]);
         }
         store8(&out(t, 8 * v), sum);
       });
@@ -171,13 +171,13 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
       if (type == PayloadType::bf16) {
         auto const* y = reinterpret_cast<std::uint16_t const*>(row);
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d),
-                             [&](int c) { acc[c] += w * to_float(bf16_t{y[c]}); });
+                             [&](int c) { acc[c] += Compat::mul_rn(w, to_float(bf16_t{y[c]})); });
       } else if (type == PayloadType::fp32) {
         auto const* y = reinterpret_cast<float const*>(row);
-        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](int c) { acc[c] += w * y[c]; });
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](int c) { acc[c] += Compat::mul_rn(w, y[c]); });
       } else {
         Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d),
-                             [&](int c) { acc[c] += w * payload_load(type, row, d, c); });
+                             [&](int c) { acc[c] += Compat::mul_rn(w, payload_load(type, row, d, c)); });
       }
     }
 #endif

@@ -42,7 +42,9 @@ KOKKOS_INLINE_FUNCTION bool comes_before(float sa, int a, float sb, int b) {
 /// clamped to 88 (exp(+-inf) gives 1.65e38 / 0; results below the smallest
 /// normal float flush to 0); NaN stays NaN. The clamp works on the bit
 /// pattern (integer compares), so loops over it vectorize without
-/// -fno-trapping-math, and there are no library calls.
+/// -fno-trapping-math, and there are no library calls. Its products go
+/// through mul_rn, so a device compiler fusing them with the adds (nvcc's
+/// default) cannot change its bits: the same on every backend.
 KOKKOS_INLINE_FUNCTION float exp_poly(float x) {
   std::uint32_t const u = float_bits(x);
   std::uint32_t const a = u & 0x7FFFFFFFu;
@@ -51,18 +53,19 @@ KOKKOS_INLINE_FUNCTION float exp_poly(float x) {
   float const xc = bits_float(xb);
   float const xr = bits_float(a > 0x7F800000u ? u : xb);  // NaN kept for the polynomial
   // n = floor(xc / ln2 + 0.5); the shifted argument is positive, so truncation is floor.
-  int const n = static_cast<int>(xc * 1.44269504088896341f + 128.5f) - 128;
+  int const n = static_cast<int>(Compat::mul_rn(xc, 1.44269504088896341f) + 128.5f) - 128;
   float const nf = static_cast<float>(n);
-  float r = xr - nf * 0.693359375f;  // ln2 in two parts: the reduction is exact
-  r = r - nf * -2.12194440e-4f;
+  using Compat::mul_rn;
+  float r = xr - mul_rn(nf, 0.693359375f);  // ln2 in two parts: the reduction is exact
+  r = r - mul_rn(nf, -2.12194440e-4f);
   float const z = r * r;
   float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * z + r + 1.0f;
+  p = mul_rn(p, r) + 1.3981999507e-3f;
+  p = mul_rn(p, r) + 8.3334519073e-3f;
+  p = mul_rn(p, r) + 4.1665795894e-2f;
+  p = mul_rn(p, r) + 1.6666665459e-1f;
+  p = mul_rn(p, r) + 5.0000001201e-1f;
+  p = mul_rn(p, z) + r + 1.0f;
   return p * bits_float(static_cast<std::uint32_t>(n + 127) << 23);  // n = -127 gives 0
 }
 
@@ -282,8 +285,8 @@ struct RouterSelect {
 /// scores over lanes, group/domain scores one set per lane, then every lane
 /// keeps the best K candidate keys of its strided experts in team scratch
 /// and k rounds of a vector max pick the winners. Every result equals
-/// RouterSelect's bit for bit where floating-point contraction is the same
-/// (softmax sums keep the 8 fixed partial sums; keys order totally).
+/// RouterSelect's bit for bit, on any backend (softmax sums keep the 8 fixed
+/// partial sums; keys order totally; exp_poly's products are never fused).
 /// K in {1, 2, 4, 8, 16}: k <= K.
 template <class MemorySpace, int K>
 struct RouterSelectTeam : RouterSelect<MemorySpace, K> {
