@@ -28,9 +28,14 @@ void stable_counting_sort(Exec const& exec, KeyView const& keys, int num_keys, P
                     label << ": perm has " << perm.extent(0) << " entries for " << n << " keys");
   KOKKOSMOE_REQUIRE(static_cast<index_t>(offsets.extent(0)) == num_keys + 1,
                     label << ": offsets has " << offsets.extent(0) << " entries, expected " << num_keys + 1);
-  // Chunks: enough for every thread (x4 for balance), at least 64 rows each.
+  // Chunks: enough for every thread (x4 for balance), at least 64 rows each,
+  // and no more (key, chunk) cells than max(n, 2^20): a GPU's concurrency
+  // (~10^5 threads) with many keys would otherwise take n * num_keys / 64
+  // cells, far more memory than the sort's output.
   index_t const conc = static_cast<index_t>(exec.concurrency());
-  index_t chunks = Compat::max<index_t>(1, Compat::min<index_t>(n / 64, conc * 4));
+  index_t const max_cells = Compat::max<index_t>(n, index_t(1) << 20);
+  index_t chunks = Compat::max<index_t>(
+      1, Compat::min<index_t>(Compat::min<index_t>(n / 64, conc * 4), max_cells / Compat::max<index_t>(1, num_keys)));
   if (n == 0) chunks = 1;
   index_t const chunk_len = (n + chunks - 1) / chunks;
   int const K = num_keys;
