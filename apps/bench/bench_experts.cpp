@@ -179,7 +179,8 @@ int run(int argc, char** argv) {
     return app.exit(e);
   }
   Exec exec;
-  int const threads = Exec().concurrency();
+  // Host threads (BLAS, CPU-time ratios): a device space's concurrency counts its own threads.
+  int const threads = kmoe_bench::host_threads();
   bool const bf16 = dtype == "bf16";
   // The dense baseline in the runner's element type where a vendor GEMM takes
   // bf16 (cuBLAS), else the fp32 chain.
