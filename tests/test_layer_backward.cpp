@@ -32,6 +32,9 @@ std::string deck_text(std::string const& algorithm, int nodes, std::string const
      << "[topology]\nlayout = \"virtual\"\nnodes = " << nodes << "\n"
      << "[exchange]\nalgorithm = \"" << algorithm << "\"\nwaves = 2\nsender_cf = 16\nreceiver_cf = 64\n"
      << "[experts]\nrunner = \"grouped\"\ngemm = \"generic\"\n";
+  // The forward too: a device's vendor grouped GEMM may pick its kernel by
+  // the rows (M), so device builds run the portable kernel here.
+  if (!Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible) os << "kernel = \"portable\"\n";
   return os.str();
 }
 
