@@ -19,7 +19,8 @@
 /// combine_finish), so that a schedule computes while rows move. An
 /// algorithm without its own start forms moves the rows in start and its
 /// finish only completes the handle; the MPI transport overlaps where MPI
-/// reads device buffers directly (host memory, CUDA-aware MPI).
+/// reads device buffers directly (host memory, CUDA-aware MPI), the NCCL
+/// transport always (its own stream, ordered by events).
 ///
 /// A step is the caller's loop: for each wave, dispatch, run the experts on
 /// handle.expert_rows (segments handle.expert_offsets), combine; then the

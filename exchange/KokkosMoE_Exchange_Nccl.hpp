@@ -5,8 +5,12 @@
 /// \brief NCCL transport and make_transport(), the run-time choice of a
 /// transport by TransportKind.
 ///
-/// NCCL: rows move with grouped ncclSend/ncclRecv on the CUDA stream of the
-/// Kokkos::Cuda instance; same-rank rows are device copies on that stream.
+/// NCCL: rows move with grouped ncclSend/ncclRecv on the transport's own
+/// CUDA stream, after an event recorded on the Kokkos::Cuda instance's
+/// stream (the send rows are complete there); a second event marks their
+/// completion, and finish() waits for that event only, so kernels the caller
+/// enqueues on its instance meanwhile run alongside the transfer. Same-rank
+/// rows are device copies on the instance's stream.
 /// Counts are still agreed over MPI (host integers) before any payload moves.
 /// NCCL communicators are created from the MPI communicators (unique id
 /// broadcast over MPI) on first use and destroyed with the transport. Built
@@ -31,6 +35,14 @@
 
 namespace KokkosMoE {
 namespace Exchange {
+
+/// \brief Throws Error naming the CUDA call and its result.
+#define KOKKOSMOE_CUDA_CHECK(call)                                                                    \
+  do {                                                                                               \
+    cudaError_t kokkosmoe_cuda_rc_ = (call);                                                         \
+    KOKKOSMOE_REQUIRE(kokkosmoe_cuda_rc_ == cudaSuccess,                                             \
+                      #call << " failed: " << cudaGetErrorString(kokkosmoe_cuda_rc_));               \
+  } while (0)
 
 /// \brief Throws Error naming the NCCL call and its result.
 #define KOKKOSMOE_NCCL_CHECK(call)                                                                    \
@@ -78,9 +90,10 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
     start_alltoallv(exec, comm, sets, send_counts, recv_counts, what, options).finish();
   }
 
-  /// Enqueues the transfers on exec's stream and returns; finish() polls the
-  /// stream under the watchdog (the rows are written when it returns, and
-  /// later work on the same stream is ordered after them anyway).
+  /// Enqueues the transfers on the transport's stream, ordered after the
+  /// work already on exec's stream, and returns; finish() polls their
+  /// completion event under the watchdog and orders exec's later work after
+  /// it (the rows are written when it returns).
   RowsInFlight start_alltoallv(Kokkos::Cuda const& exec, Topology::Communicator const& comm,
                                std::vector<RowSet<MemorySpace>> const& sets, std::vector<index_t> const& send_counts,
                                std::vector<index_t> const& recv_counts, char const* what, TransportOptions const& options) override {
@@ -90,7 +103,7 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
                       what << ": " << send_counts.size() << " send and " << recv_counts.size() << " receive counts for " << P
                            << " peers of " << comm.name());
     auto& nc = communicator(comm);
-    cudaStream_t const stream = exec.cuda_stream();
+    cudaStream_t const stream = comm_stream();
     std::vector<index_t> soff(static_cast<std::size_t>(P) + 1, 0), roff(static_cast<std::size_t>(P) + 1, 0);
     for (int p = 0; p < P; ++p) {
       soff[p + 1] = soff[p] + send_counts[p];
@@ -102,6 +115,12 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
       if (me >= 0 && send_counts[me] > 0 && !s.self_in_place)
         Impl::copy_self_rows(exec, s.recv, Impl::runs_of(s.recv_runs, roff, me), s.send, Impl::runs_of(s.send_runs, soff, me));
     }
+    // The transfers start once the send rows (and the self copies) on
+    // exec's stream are complete.
+    auto ready = std::make_shared<Event>();
+    auto done = std::make_shared<Event>();
+    KOKKOSMOE_CUDA_CHECK(cudaEventRecord(ready->get(), exec.cuda_stream()));
+    KOKKOSMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, ready->get(), 0));
     // One send (receive) per peer segment, or per run: NCCL pairs them in
     // order, so both sides' runs must have the same lengths.
     KOKKOSMOE_NCCL_CHECK(ncclGroupStart());
@@ -122,16 +141,27 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
       }
     }
     KOKKOSMOE_NCCL_CHECK(ncclGroupEnd());
+    KOKKOSMOE_CUDA_CHECK(cudaEventRecord(done->get(), stream));
     Topology::Communicator const* c = &comm;
     std::string const label = what;
-    return RowsInFlight({}, [this, exec, c, sets, send_counts, recv_counts, label, options] {
+    // The flight keeps the sets (the buffers) and both events until finish.
+    return RowsInFlight({}, [this, exec, c, sets, send_counts, recv_counts, label, options, ready, done] {
       // The communicator may have been aborted meanwhile (the watchdog
       // expired on another transfer over it).
       auto it = comms_.find(c->comm());
       KOKKOSMOE_REQUIRE(it != comms_.end() && it->second,
                         label << ": the NCCL communicator of " << c->name() << " was aborted while these rows were in flight");
-      wait(exec, *it->second, *c, send_counts, recv_counts, label.c_str(), options);
+      wait(done->get(), *it->second, *c, send_counts, recv_counts, label.c_str(), options);
+      KOKKOSMOE_CUDA_CHECK(cudaStreamWaitEvent(exec.cuda_stream(), done->get(), 0));
     });
+  }
+
+  NcclTransport() = default;
+  NcclTransport(NcclTransport const&) = delete;
+  NcclTransport& operator=(NcclTransport const&) = delete;
+  ~NcclTransport() override {
+    comms_.clear();
+    if (stream_) cudaStreamDestroy(stream_);
   }
 
  private:
@@ -141,15 +171,33 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
     return *slot;
   }
 
-  /// Polls the stream under the watchdog; on timeout aborts the NCCL
-  /// communicator and names the peers with outstanding transfers.
-  void wait(Kokkos::Cuda const& exec, NcclCommunicator& nc, Topology::Communicator const& comm,
-            std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
-            TransportOptions const& options) {
+  /// A CUDA event without timing, destroyed with its owner.
+  class Event {
+   public:
+    Event() { KOKKOSMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming)); }
+    ~Event() { cudaEventDestroy(e_); }
+    Event(Event const&) = delete;
+    Event& operator=(Event const&) = delete;
+    cudaEvent_t get() const { return e_; }
+
+   private:
+    cudaEvent_t e_ = nullptr;
+  };
+
+  /// The transport's stream (created on first use, non-blocking with
+  /// respect to the legacy default stream).
+  cudaStream_t comm_stream() {
+    if (!stream_) KOKKOSMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    return stream_;
+  }
+
+  /// Polls the completion event under the watchdog; on timeout aborts the
+  /// NCCL communicator and names the peers with outstanding transfers.
+  void wait(cudaEvent_t done, NcclCommunicator& nc, Topology::Communicator const& comm, std::vector<index_t> const& send_counts,
+            std::vector<index_t> const& recv_counts, char const* what, TransportOptions const& options) {
     Watchdog dog(options.watchdog_seconds);
-    cudaStream_t const stream = exec.cuda_stream();
     while (true) {
-      cudaError_t const st = cudaStreamQuery(stream);
+      cudaError_t const st = cudaEventQuery(done);
       if (st == cudaSuccess) return;
       KOKKOSMOE_REQUIRE(st == cudaErrorNotReady, what << ": CUDA error " << cudaGetErrorString(st));
       ncclResult_t async = ncclSuccess;
@@ -171,6 +219,7 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
   }
 
   std::map<MPI_Comm, std::unique_ptr<NcclCommunicator>> comms_;
+  cudaStream_t stream_ = nullptr;
 };
 
 }  // namespace Exchange
