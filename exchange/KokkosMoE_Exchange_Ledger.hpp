@@ -51,7 +51,7 @@ struct StageLedger {
   std::array<ClassCounts, num_link_classes> by_class{};
   std::int64_t relay_rows = 0;   ///< rows this stage moves only because of relaying
   std::int64_t relay_bytes = 0;  ///< their payload + metadata bytes
-  std::int64_t padding_rows = 0; ///< rows that carry no route (static shapes)
+  std::int64_t padding_rows = 0; ///< rows that carry no route (static shapes; MPI does not send them)
   std::int64_t header_rows = 0;  ///< in-band header rows (pooled-wave)
   /// The same-rank rows are written where they arrive (or read where they
   /// are): they count as delivered, but nothing copies them.

@@ -23,10 +23,16 @@
 ///
 /// dispatch = stripe (this wave's pool rows) -> build_pools -> all-to-all ->
 /// compact (expert rows). combine = return_pools -> all-to-all -> collect.
-/// Pools are written row by row in one pass each (routes' rows, zero
-/// header and padding rows, then the header bytes): no clearing pass. A
-/// rank's pool for itself is written straight into its receive buffer
-/// (the shapes are uniform, so it lands where it is sent from): no self copy.
+/// Pools are written row by row in one pass each (routes' rows and zeroed
+/// header rows, then the header bytes): no clearing pass, and the padding
+/// rows, never read, are never written. The rows of a pool that carry
+/// routes are a prefix, so over a transport whose receives take up to their
+/// count (MPI) a pool travels as its header rows and that prefix, into a
+/// receive of the whole static pool: still no count collective, and no
+/// padding on the wire. NCCL, which pairs equal sizes only, moves whole
+/// pools. A rank's pool for itself is written straight into its receive
+/// buffer (the shapes are uniform, so it lands where it is sent from): no
+/// self copy.
 
 #include <KokkosMoE_CountingSort.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
@@ -53,6 +59,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     index_view position;    ///< [A] route's position among the routes to its destination
     index_view compact_of;  ///< [P * Rs] receiver: expert row of received pool row x, or -1 (empty or dropped)
     index_view source_of;   ///< [rows] receiver: received row of expert row c
+    std::vector<index_t> sent_rows;      ///< [P] rows with a route in the pool for each destination slot (a prefix)
+    std::vector<index_t> received_rows;  ///< [P] receiver: rows with a route in each source slot's pool (a prefix)
   };
 
   PooledWaveExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},
@@ -102,9 +110,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     auto send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, pool_buffer_rows(st));
     auto recv = payload_buffer(this->work_, exec, "recv", this->config_.payload, d, pool_buffer_rows(st));
     build_pools(exec, st, routes, hidden, send, recv);
-    std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), st.shapes.pool_rows_with_header);
-    this->transport_->alltoallv(exec, ep, {RowSet<MS>{send.bytes, recv.bytes, {}, {}, /*self_in_place=*/true}}, uniform, uniform,
-                                "pooled-wave dispatch rows", this->options());
+    move_pools(exec, st, send, recv, st.sent_rows, "pooled-wave dispatch rows");
     h.ledger.dispatch.stages.push_back(wave_stage(st, wave, send.row_bytes(), false));
     std::int64_t const receiver_drops = compact(exec, st, h, recv);
     h.ledger.dispatch.stages.back().seconds = timer.seconds();
@@ -136,9 +142,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     auto back = payload_buffer(this->work_, exec, "back", this->config_.return_payload, d, pool_buffer_rows(*st));
     auto got = payload_buffer(this->work_, exec, "got", this->config_.return_payload, d, pool_buffer_rows(*st));
     return_pools(exec, *st, expert_out, back, got);
-    std::vector<index_t> const uniform(static_cast<std::size_t>(ep.size()), st->shapes.pool_rows_with_header);
-    this->transport_->alltoallv(exec, ep, {RowSet<MS>{back.bytes, got.bytes, {}, {}, /*self_in_place=*/true}}, uniform, uniform,
-                                "pooled-wave combine rows", this->options());
+    move_pools(exec, *st, back, got, st->received_rows, "pooled-wave combine rows");
     h.ledger.combine.stages.push_back(wave_stage(*st, h.wave, back.row_bytes(), true));
     collect(exec, *st, h, got, returned);
     Compat::fence(exec, "KokkosMoE::PooledWave: wave collected");
@@ -154,6 +158,32 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
 
   index_t pool_buffer_rows(State const& st) const {
     return static_cast<index_t>(this->comms_->ep().size()) * st.shapes.pool_rows_with_header;
+  }
+
+  /// Moves the pools of `from` (one per peer slot, at its static place) into
+  /// the static places of `to`: whole pools, or where the transport's
+  /// receives take up to their count, each pool's header rows and the prefix
+  /// of `carried` rows that carry routes (the own pool is in place already).
+  void move_pools(Exec const& exec, State const& st, PayloadBuffer<MS> const& from, PayloadBuffer<MS> const& to,
+                  std::vector<index_t> const& carried, char const* what) {
+    auto const& ep = this->comms_->ep();
+    int const P = ep.size();
+    index_t const pool = st.shapes.pool_rows_with_header;
+    std::vector<index_t> const whole(static_cast<std::size_t>(P), pool);
+    if (!this->transport_->receives_up_to()) {
+      this->transport_->alltoallv(exec, ep, {RowSet<MS>{from.bytes, to.bytes, {}, {}, /*self_in_place=*/true}}, whole, whole, what,
+                                  this->options());
+      return;
+    }
+    std::vector<index_t> sent(whole);
+    RowRuns runs(static_cast<std::size_t>(P));
+    for (int q = 0; q < P; ++q) {
+      auto const k = static_cast<std::size_t>(q);
+      if (q != ep.my_slot()) sent[k] = st.shapes.header_rows + carried[k];
+      runs[k] = {{q * pool, sent[k]}};
+    }
+    this->transport_->alltoallv(exec, ep, {RowSet<MS>{from.bytes, to.bytes, std::move(runs), {}, /*self_in_place=*/true}}, sent, whole,
+                                what, this->options());
   }
 
   /// The static shape admits this rank's routes.
@@ -208,6 +238,15 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
         });
     auto hc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), counts);
     ledger.dispatch.sender_drops = hc(1);
+    // Pool rows with a route per destination: positions wave, wave + W, ...
+    // of its routes, up to the pool.
+    auto const ho = Impl::host_vector(dest_off);
+    st.sent_rows.assign(static_cast<std::size_t>(P), 0);
+    for (int q = 0; q < P; ++q) {
+      index_t const n = ho[static_cast<std::size_t>(q) + 1] - ho[static_cast<std::size_t>(q)];
+      index_t const in_wave = n > wave ? (n - wave + W - 1) / W : 0;
+      st.sent_rows[static_cast<std::size_t>(q)] = in_wave < Rs ? in_wave : Rs;
+    }
     return hc(0);
   }
 
@@ -237,8 +276,9 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     auto local_id = local_id_;
     auto slot = routes.slot;
     auto token = routes.token;
-    // Every row once: a route's row encoded from hidden, header and padding
-    // rows zero (no separate clearing pass); then the headers.
+    // Every row once: a route's row encoded from hidden, header rows zero
+    // (no separate clearing pass); padding rows (never read) are left as
+    // they are. Then the headers.
     KokkosMoE::Impl::move_rows(
         exec, send.rows(), KokkosMoE::Impl::row_access(hidden),
         KOKKOS_LAMBDA(index_t r)->index_t {
@@ -247,7 +287,12 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           index_t const a = pool_route(static_cast<int>(r / pool), j - H);
           return a >= 0 ? static_cast<index_t>(token(a)) : -1;
         },
-        KokkosMoE::Impl::row_access(PayloadParts<MS>{send, recv, {}, {}}), KOKKOS_LAMBDA(index_t r) { return pool_target(r, pool, me); },
+        KokkosMoE::Impl::row_access(PayloadParts<MS>{send, recv, {}, {}}),
+        KOKKOS_LAMBDA(index_t r)->index_t {
+          index_t const j = r % pool;
+          if (j >= H && pool_route(static_cast<int>(r / pool), j - H) < 0) return -1;  // padding
+          return pool_target(r, pool, me);
+        },
         MissingRow::zero, "KokkosMoE::PooledWave::pack");
     // One thread per pool packs its ids (bits wide, little-endian).
     Kokkos::parallel_for(
@@ -331,6 +376,15 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           int const id = Impl::read_packed_id(&rb(s * pool, 0), j, bits);
           ekey(x) = id < L ? id : L;
         });
+    // Rows with a route per source pool: the prefix before the first empty id.
+    index_view carried("KokkosMoE::PooledWave::received_rows", P);
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::received_rows", Kokkos::RangePolicy<Exec>(exec, 0, P), KOKKOS_LAMBDA(int src) {
+          index_t j = 0;
+          while (j < Rs && ekey(src * Rs + j) < L) ++j;
+          carried(src) = j;
+        });
+    st.received_rows = Impl::host_vector(carried);
     auto by_expert = this->work_.template vector<index_t>(exec, "by_expert", n_pool);
     index_view e_off("KokkosMoE::PooledWave::e_off", L + 2);
     stable_counting_sort(exec, ekey, L + 1, by_expert, e_off, "KokkosMoE::PooledWave::by_expert");
@@ -396,15 +450,21 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     auto gb = got.bytes;
     index_t const flag_bytes = (Rs + 7) / 8;
     auto compact_of = st.compact_of;
-    // Every row once: a kept route's result, header and other rows zero;
-    // then the headers' flags.
+    // Every row once: a kept route's result, header rows zero; rows without
+    // a result (never read: their flag is clear) are left as they are. Then
+    // the headers' flags.
     KokkosMoE::Impl::move_rows(
         exec, back.rows(), KokkosMoE::Impl::row_access(expert_out),
         KOKKOS_LAMBDA(index_t r)->index_t {
           index_t const j = r % pool;
           return j < H ? -1 : compact_of((r / pool) * Rs + (j - H));
         },
-        KokkosMoE::Impl::row_access(PayloadParts<MS>{back, got, {}, {}}), KOKKOS_LAMBDA(index_t r) { return pool_target(r, pool, me); },
+        KokkosMoE::Impl::row_access(PayloadParts<MS>{back, got, {}, {}}),
+        KOKKOS_LAMBDA(index_t r)->index_t {
+          index_t const j = r % pool;
+          if (j >= H && compact_of((r / pool) * Rs + (j - H)) < 0) return -1;
+          return pool_target(r, pool, me);
+        },
         MissingRow::zero, "KokkosMoE::PooledWave::return_rows");
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * flag_bytes),

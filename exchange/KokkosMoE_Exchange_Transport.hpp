@@ -55,7 +55,9 @@ inline std::vector<std::int64_t> runs_per_peer(RowRuns const& runs) {
 /// buffer with no copy: one message per run, so the sender's runs for a
 /// peer and that peer's receive runs must have the same lengths in the same
 /// order (agree_counts_and_runs tells a receiver what is coming); a peer's
-/// runs add up to its count. Runs on one side need runs on the other.
+/// runs add up to its count. Runs on one side need runs on the other, but
+/// for a receive that takes up to its count (Transport::receives_up_to): one
+/// contiguous segment per peer, filled by the peer's one run.
 /// With self_in_place, the caller's own rows are already where it wants
 /// them (written straight to the receive side, or read later from the send
 /// side): the transport copies nothing for them. A started transfer keeps
@@ -228,7 +230,9 @@ void copy_self_rows(Exec const& exec, DstView const& dst, std::vector<std::pair<
 /// before posting (the send rows must be complete) and returns with the
 /// receive rows written; with `start`, returns the posted transfer in flight
 /// instead when MPI reads and writes the buffers directly (host memory or
-/// CUDA-aware MPI; a host-staged transfer completes before returning).
+/// CUDA-aware MPI; a host-staged transfer completes before returning). A
+/// receive count of a contiguous segment may exceed the peer's send count
+/// (Transport::receives_up_to).
 template <class Exec, class MS>
 RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MS>> const& sets,
                                 std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
@@ -327,6 +331,12 @@ class Transport {
  public:
   virtual ~Transport() = default;
   virtual TransportKind kind() const = 0;
+  /// True when a receive count may be an upper bound: a peer sending fewer
+  /// rows (its send count) completes the receive, and the rest of that
+  /// peer's segment is left as it was. Only for contiguous receive segments
+  /// (no receive runs; a peer sends one run). MPI receives work so; NCCL
+  /// pairs sends and receives of equal sizes only.
+  virtual bool receives_up_to() const { return false; }
   /// Counts per peer slot of comm, already agreed; returns with the receive
   /// rows written (blocking on exec).
   virtual void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
@@ -348,6 +358,7 @@ template <class Exec, class MemorySpace>
 class MpiTransport final : public Transport<Exec, MemorySpace> {
  public:
   TransportKind kind() const override { return TransportKind::mpi; }
+  bool receives_up_to() const override { return true; }
   void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                  std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
                  TransportOptions const& options) override {

@@ -822,6 +822,37 @@ TEST_CASE("transport: rows a rank placed for itself are not copied over", "[exch
   }
 }
 
+TEST_CASE("transport: an MPI receive takes up to its count", "[exchange][transport]") {
+  // Every peer sends p + 1 rows of its 3-row slot (one run, at the slot's
+  // static place) into a 3-row receive segment: the rows sent arrive, the
+  // rest of the segment keeps what it held.
+  Topology::CommunicatorSet comms = one_node_comms();
+  auto const& ep = comms.ep();
+  Exec exec;
+  int const P = ep.size(), me = ep.my_slot();
+  index_t const slot = 3;
+  MpiTransport<Exec, MS> mpi;
+  REQUIRE(mpi.receives_up_to());
+  using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>;
+  rows_view send("send", P * slot, 8), recv("recv", P * slot, 8);
+  Kokkos::deep_copy(send, static_cast<unsigned char>(1 + me));
+  Kokkos::deep_copy(recv, static_cast<unsigned char>(255));
+  std::vector<index_t> sent(static_cast<std::size_t>(P)), whole(static_cast<std::size_t>(P), slot);
+  RowRuns runs(static_cast<std::size_t>(P));
+  for (int p = 0; p < P; ++p) {
+    sent[static_cast<std::size_t>(p)] = p == me ? slot : 1 + me % slot;
+    runs[static_cast<std::size_t>(p)] = {{p * slot, sent[static_cast<std::size_t>(p)]}};
+  }
+  mpi.alltoallv(exec, ep, {RowSet<MS>{send, recv, runs, {}}}, sent, whole, "rows up to a count", TransportOptions{});
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recv);
+  for (int p = 0; p < P; ++p)
+    for (index_t r = 0; r < slot; ++r) {
+      INFO("from slot " << p << " row " << r);
+      bool const arrived = p == me || r < 1 + p % slot;
+      CHECK(h(p * slot + r, 0) == (arrived ? 1 + p : 255));
+    }
+}
+
 TEST_CASE("counts and run lengths agreed in one round: bad announcements fail every rank", "[exchange][transport][errors]") {
   Topology::CommunicatorSet comms = one_node_comms();
   auto const& ep = comms.ep();
