@@ -229,7 +229,10 @@ class ReplicaGradients {
         MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, sets_[i].comm);
         if (lo != hi) {
           problem = "expert " + std::to_string(sets_[i].experts[x]) + ": its replicas on ranks [";
-          for (std::size_t r = 0; r < sets_[i].ranks.size(); ++r) problem += (r ? "," : "") + std::to_string(sets_[i].ranks[r]);
+          for (std::size_t r = 0; r < sets_[i].ranks.size(); ++r) {
+            if (r) problem += ',';
+            problem += std::to_string(sets_[i].ranks[r]);
+          }
           problem += "] hold different gradients (digests " + digest_hex(lo) + " and " + digest_hex(hi) + ")";
         }
       }
