@@ -1,3 +1,4 @@
+#include <KokkosMoE_GitHash.hpp>  // generated at build time
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Version.hpp>
 
@@ -6,9 +7,11 @@
 
 namespace KokkosMoE {
 
+char const* git_hash() { return KOKKOSMOE_GIT_HASH; }
+
 std::string build_summary() {
   std::ostringstream os;
-  os << "KokkosMoE " << KOKKOSMOE_VERSION_STRING << " (git " << KOKKOSMOE_GIT_HASH << ")"
+  os << "KokkosMoE " << KOKKOSMOE_VERSION_STRING << " (git " << git_hash() << ")"
      << " Kokkos " << KOKKOS_VERSION / 10000 << "." << KOKKOS_VERSION / 100 % 100 << "."
      << KOKKOS_VERSION % 100 << " [" << KOKKOSMOE_KOKKOS_FLAVOR << ", default exec "
      << Kokkos::DefaultExecutionSpace::name() << "]"

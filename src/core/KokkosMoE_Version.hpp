@@ -11,6 +11,11 @@
 
 namespace KokkosMoE {
 
+/// \brief The source tree's git revision this library was built from (12 hex
+/// digits, "-dirty" with uncommitted changes; "unknown" outside a git
+/// checkout), refreshed at every build.
+char const* git_hash();
+
 /// \brief One line: version, git hash, Kokkos version/flavor, enabled paths.
 std::string build_summary();
 

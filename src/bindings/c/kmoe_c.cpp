@@ -323,7 +323,7 @@ const char* kmoe_build_configuration(void) {
   static std::string const text = [] {
     json j;
     j["version"] = KOKKOSMOE_VERSION_STRING;
-    j["git_hash"] = KOKKOSMOE_GIT_HASH;
+    j["git_hash"] = KokkosMoE::git_hash();
     j["kokkos_flavor"] = KOKKOSMOE_KOKKOS_FLAVOR;
     j["kokkos_execution_space"] = Exec::name();
     j["kokkos_kernels"] = have_kokkos_kernels();
