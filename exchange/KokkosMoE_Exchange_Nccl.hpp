@@ -36,21 +36,15 @@
 namespace KokkosMoE {
 namespace Exchange {
 
-/// \brief Throws Error naming the CUDA call and its result.
-#define KOKKOSMOE_CUDA_CHECK(call)                                                                    \
-  do {                                                                                               \
-    cudaError_t kokkosmoe_cuda_rc_ = (call);                                                         \
-    KOKKOSMOE_REQUIRE(kokkosmoe_cuda_rc_ == cudaSuccess,                                             \
-                      #call << " failed: " << cudaGetErrorString(kokkosmoe_cuda_rc_));               \
+/// \brief Throws Error naming the call and its result when a CUDA (NCCL)
+/// call does not return cudaSuccess (ncclSuccess).
+#define KOKKOSMOE_LIB_CHECK(call, success, describe)                                 \
+  do {                                                                              \
+    auto const kokkosmoe_rc_ = (call);                                              \
+    KOKKOSMOE_REQUIRE(kokkosmoe_rc_ == success, #call << " failed: " << describe(kokkosmoe_rc_)); \
   } while (0)
-
-/// \brief Throws Error naming the NCCL call and its result.
-#define KOKKOSMOE_NCCL_CHECK(call)                                                                    \
-  do {                                                                                               \
-    ncclResult_t kokkosmoe_nccl_rc_ = (call);                                                        \
-    KOKKOSMOE_REQUIRE(kokkosmoe_nccl_rc_ == ncclSuccess,                                             \
-                      #call << " failed: " << ncclGetErrorString(kokkosmoe_nccl_rc_));               \
-  } while (0)
+#define KOKKOSMOE_CUDA_CHECK(call) KOKKOSMOE_LIB_CHECK(call, cudaSuccess, cudaGetErrorString)
+#define KOKKOSMOE_NCCL_CHECK(call) KOKKOSMOE_LIB_CHECK(call, ncclSuccess, ncclGetErrorString)
 
 /// \brief An NCCL communicator over the ranks of one MPI communicator, in its
 /// peer order (NCCL rank = peer slot). Collective over that communicator.

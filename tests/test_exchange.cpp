@@ -39,6 +39,17 @@ Topology::Topology nodes_of(int rpn) {
 /// The world as one node, and its communicators.
 Topology::CommunicatorSet one_node_comms() { return Topology::CommunicatorSet(MPI_COMM_WORLD, nodes_of(1), Topology::CommSpec{}); }
 
+using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>;
+
+/// A transport test's buffers of `rows` rows of `bytes`: send rows marked
+/// with the sender's slot + 1, receive rows marked 255 (what was there).
+std::pair<rows_view, rows_view> marked_rows(index_t rows, int bytes, int my_slot) {
+  rows_view send("send", rows, bytes), recv("recv", rows, bytes);
+  Kokkos::deep_copy(send, static_cast<unsigned char>(1 + my_slot));
+  Kokkos::deep_copy(recv, static_cast<unsigned char>(255));
+  return {send, recv};
+}
+
 std::vector<int> nodes_vector(Topology::Topology const& t) {
   std::vector<int> n;
   for (int r = 0; r < t.size(); ++r) n.push_back(t.node_of(r));
@@ -774,7 +785,6 @@ TEST_CASE("a send buffer reused before its transfer completed is caught when sen
   index_t const per_peer = 3;
   int const width = 16;
   std::vector<index_t> counts(static_cast<std::size_t>(P), per_peer);
-  using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>;
   rows_view send("send", P * per_peer, width), recv("recv", P * per_peer, width);
   Kokkos::deep_copy(send, static_cast<unsigned char>(1 + ep.my_slot()));
   std::vector<RowSet<MS>> const sets{RowSet<MS>{send, recv}};
@@ -807,13 +817,10 @@ TEST_CASE("transport: rows a rank placed for itself are not copied over", "[exch
   int const P = ep.size(), me = ep.my_slot();
   index_t const per_peer = 2;
   std::vector<index_t> counts(static_cast<std::size_t>(P), per_peer);
-  using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>;
   MpiTransport<Exec, MS> mpi;
   for (bool const in_place : {false, true}) {
     INFO("self_in_place " << in_place);
-    rows_view send("send", P * per_peer, 8), recv("recv", P * per_peer, 8);
-    Kokkos::deep_copy(send, static_cast<unsigned char>(1 + me));
-    Kokkos::deep_copy(recv, static_cast<unsigned char>(255));  // what the caller placed for itself
+    auto const [send, recv] = marked_rows(P * per_peer, 8, me);  // recv: what the caller placed for itself
     mpi.alltoallv(exec, ep, {RowSet<MS>{send, recv, {}, {}, in_place}}, counts, counts, "self rows", TransportOptions{});
     auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recv);
     for (int p = 0; p < P; ++p)
@@ -823,9 +830,9 @@ TEST_CASE("transport: rows a rank placed for itself are not copied over", "[exch
 }
 
 TEST_CASE("transport: an MPI receive takes up to its count", "[exchange][transport]") {
-  // Every peer sends p + 1 rows of its 3-row slot (one run, at the slot's
-  // static place) into a 3-row receive segment: the rows sent arrive, the
-  // rest of the segment keeps what it held.
+  // Peer slot p sends 1 + p % 3 rows of its 3-row slot (one run, at the
+  // slot's static place) into a 3-row receive segment: the rows sent
+  // arrive, the rest of the segment keeps what it held.
   Topology::CommunicatorSet comms = one_node_comms();
   auto const& ep = comms.ep();
   Exec exec;
@@ -833,10 +840,7 @@ TEST_CASE("transport: an MPI receive takes up to its count", "[exchange][transpo
   index_t const slot = 3;
   MpiTransport<Exec, MS> mpi;
   REQUIRE(mpi.receives_up_to());
-  using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>;
-  rows_view send("send", P * slot, 8), recv("recv", P * slot, 8);
-  Kokkos::deep_copy(send, static_cast<unsigned char>(1 + me));
-  Kokkos::deep_copy(recv, static_cast<unsigned char>(255));
+  auto const [send, recv] = marked_rows(P * slot, 8, me);
   std::vector<index_t> sent(static_cast<std::size_t>(P)), whole(static_cast<std::size_t>(P), slot);
   RowRuns runs(static_cast<std::size_t>(P));
   for (int p = 0; p < P; ++p) {
@@ -893,7 +897,6 @@ TEST_CASE("rows given as runs leave from and arrive at their places, small runs 
   index_t const per = 7;  // rows per peer: runs of 1, 2, 4
   for (int width : {8, 70000}) {
     INFO("row width " << width);
-    using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>;
     rows_view send("send", P * per, width), recv("recv", P * per, width);
     auto hs = Kokkos::create_mirror_view(send);
     for (int p = 0; p < P; ++p)
