@@ -6,6 +6,7 @@
 #include "kmoe_sim.hpp"
 #include "kmoe_test_util.hpp"
 
+#include <KokkosMoE_CountingSort.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
 #include <impl/KokkosMoE_HostRows.hpp>
@@ -615,4 +616,38 @@ TEST_CASE("combine rejects a corrupt inverse permutation before it writes the ou
     CHECK_THROWS_WITH(combine(Exec(), s.routes, bad, s.returned, out), Catch::Matchers::Contains("inverse permutation is corrupt"));
     for (float x : to_host_vector(out)) CHECK(x == 7.0f);  // nothing was written
   }
+}
+
+TEST_CASE("stable counting sort: the order of std::stable_sort, with many keys and few; bad keys rejected", "[permutation][sort]") {
+  std::mt19937 rng(17);
+  // {rows, keys}: few keys; more keys than rows, so that the (key, chunk)
+  // table meets its cap of max(rows, 2^20) cells; no rows.
+  for (auto const& [n, K] : {std::pair<int, int>{5000, 7}, std::pair<int, int>{70000, 300000}, std::pair<int, int>{0, 3}}) {
+    INFO(n << " rows, " << K << " keys");
+    std::vector<int> keys(static_cast<std::size_t>(n));
+    for (auto& k : keys) k = std::uniform_int_distribution<int>(0, K - 1)(rng);
+    Kokkos::View<int*, MS> kd("keys", n);
+    auto kh = Kokkos::create_mirror_view(kd);
+    for (int i = 0; i < n; ++i) kh(i) = keys[static_cast<std::size_t>(i)];
+    Kokkos::deep_copy(kd, kh);
+    Kokkos::View<index_t*, MS> perm("perm", n), offsets("offsets", K + 1);
+    stable_counting_sort(Exec(), kd, K, perm, offsets);
+    std::vector<index_t> want(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) want[static_cast<std::size_t>(i)] = i;
+    std::stable_sort(want.begin(), want.end(), [&](index_t a, index_t b) { return keys[static_cast<std::size_t>(a)] < keys[static_cast<std::size_t>(b)]; });
+    CHECK(to_host_vector(perm) == want);
+    auto const off = to_host_vector(offsets);
+    for (int k = 0; k <= K; ++k) {
+      auto const first = std::lower_bound(want.begin(), want.end(), k, [&](index_t a, int key) { return keys[static_cast<std::size_t>(a)] < key; });
+      if (off[static_cast<std::size_t>(k)] != first - want.begin()) {
+        FAIL_CHECK("offsets(" << k << ") = " << off[static_cast<std::size_t>(k)] << ", expected " << (first - want.begin()));
+        break;
+      }
+    }
+  }
+  Kokkos::View<int*, MS> bad("bad", 3);
+  Kokkos::deep_copy(bad, 5);
+  Kokkos::View<index_t*, MS> perm("perm", 3), offsets("offsets", 4);
+  CHECK_THROWS_WITH(stable_counting_sort(Exec(), bad, 3, perm, offsets, "sort test"),
+                    Catch::Matchers::Contains("sort test: 3 keys outside [0, 3)"));
 }
