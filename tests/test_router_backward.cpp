@@ -160,6 +160,46 @@ TEST_CASE("gate gradients to logits equal finite differences with the selection 
     }
 }
 
+TEST_CASE("router gradients for many experts (E = 1536): no per-token limit", "[router][backward]") {
+  // The kernels recompute scores from the logits on each vector lane; a
+  // token's E is bounded by nothing but memory.
+  std::mt19937 rng(23);
+  index_t const T = 3;
+  int const E = 1536, k = 4;
+  for (ScoreFunction score : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
+    RouterConfig c;
+    c.num_experts = E;
+    c.top_k = k;
+    c.score = score;
+    c.normalize = true;
+    auto const z = random_logits(T, E, rng, 3.0);
+    Mat logits = device_matrix(z, T, E);
+    RouteTable<MS> table = route(c, logits);
+    auto const experts = experts_of(table);
+    std::vector<double> dg(static_cast<std::size_t>(T * k));
+    std::uniform_real_distribution<double> u(-1, 1);
+    for (auto& x : dg) x = static_cast<double>(static_cast<float>(u(rng)));
+    bool const softmax = score == ScoreFunction::softmax;
+    INFO((softmax ? "softmax" : "sigmoid"));
+    Mat dgate = device_matrix(dg, T, k), dlogits("dlogits", T, E);
+    router_backward(Exec(), c, CMat(logits), table, CMat(dgate), dlogits);
+    auto const want = central_differences(z, [&](std::vector<double> const& zz) { return gate_objective(zz, experts, dg, T, E, k, c); });
+    CHECK(worst_abs(host_vector(dlogits), want) <= 2e-5);
+    // The Switch balance loss and its gradient (q stopped).
+    BalanceLossConfig bl;
+    Mat d("d", T, E);
+    BalanceLossResult const r = balance_loss(Exec(), c, bl, CMat(logits), table, MPI_COMM_SELF, d);
+    std::vector<std::vector<double>> q(1, std::vector<double>(static_cast<std::size_t>(E), 0.0));
+    for (int e : experts) q[0][static_cast<std::size_t>(e)] += static_cast<double>(E) / (T * k);
+    CHECK(r.loss == Approx(balance_objective(z, T, E, softmax, T, q)).epsilon(1e-5));
+    auto const wantb = central_differences(z, [&](std::vector<double> const& zz) { return balance_objective(zz, T, E, softmax, T, q); });
+    double largest = 0;
+    for (double g : wantb) largest = std::max(largest, std::abs(g));
+    REQUIRE(largest > 0);
+    CHECK(worst_abs(host_vector(d), wantb) <= 1e-4 * largest);
+  }
+}
+
 TEST_CASE("Switch balance loss: the reference numbers, a zero gradient when balanced, the exact gradient", "[router][backward][balance]") {
   // T = 8, E = 4, top-1: tokens 0-3 pick expert 0, 4-5 expert 1, 6 expert 2,
   // 7 expert 3 (counts [4,2,1,1]); the rows' mean is [0.4, 0.3, 0.2, 0.1].

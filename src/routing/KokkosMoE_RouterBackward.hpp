@@ -58,26 +58,104 @@ namespace KokkosMoE {
 
 namespace Impl {
 
-/// Per-token distribution of the balance loss and the router's scores:
-/// softmax probabilities, or sigmoid scores (normalized when `normalized`).
-template <class Logits>
-KOKKOS_INLINE_FUNCTION void token_scores(Logits const& z, index_t t, int E, bool softmax, bool normalized, float* out) {
-  if (softmax) {
-    float m = z(t, 0);
-    for (int e = 1; e < E; ++e) m = Compat::max(m, z(t, e));
-    float sum = 0.0f;
-    for (int e = 0; e < E; ++e) sum += (out[e] = Compat::exp(z(t, e) - m));
-    for (int e = 0; e < E; ++e) out[e] /= sum;
-  } else {
-    float sum = 0.0f;
-    for (int e = 0; e < E; ++e) sum += (out[e] = 1.0f / (1.0f + Compat::exp(-z(t, e))));
-    if (normalized)
-      for (int e = 0; e < E; ++e) out[e] /= sum;
+/// The router backward kernels' mapping: a team thread per token (or per
+/// chunk of tokens) and vector lanes over its experts, coalesced on a GPU;
+/// one lane per thread on hosts. Scores are recomputed from the logits where
+/// they are needed, so no kernel keeps a per-token array and E is unbounded.
+template <class Exec>
+struct TokenTeams {
+  static constexpr bool host = Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible;
+  static constexpr int per_team = host ? 1 : 4;  ///< tokens (team threads) per team
+  static constexpr int lanes = host ? 1 : 32;    ///< vector lanes per token
+  using Policy = Kokkos::TeamPolicy<Exec>;
+  using Member = typename Policy::member_type;
+  static Policy policy(Exec const& exec, index_t items) {
+    return Policy(exec, static_cast<int>((items + per_team - 1) / per_team), per_team, lanes);
   }
+  /// The item of this team thread (>= items for the last team's spare threads).
+  KOKKOS_INLINE_FUNCTION static index_t item(Member const& team) {
+    return static_cast<index_t>(team.league_rank()) * per_team + team.team_rank();
+  }
+};
+
+/// Partial sums over experts: partial l adds experts l, l + 8, l + 16, ...
+/// in order, and the 8 partials are added in order, so a sum has the same
+/// bits for every backend and vector length.
+constexpr int score_partials = 8;
+struct ScorePartials {
+  float v[score_partials];
+};
+struct ScorePartialsSum {
+  using reducer = ScorePartialsSum;
+  using value_type = ScorePartials;
+  using result_view_type = Kokkos::View<value_type, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>;
+  value_type* value;
+  KOKKOS_INLINE_FUNCTION explicit ScorePartialsSum(value_type& v) : value(&v) {}
+  // Every partial has one contributing lane; the others add +0.
+  KOKKOS_INLINE_FUNCTION void join(value_type& dest, value_type const& src) const {
+    for (int l = 0; l < score_partials; ++l) dest.v[l] += src.v[l];
+  }
+  KOKKOS_INLINE_FUNCTION void init(value_type& v) const {
+    for (int l = 0; l < score_partials; ++l) v.v[l] = 0.0f;
+  }
+  KOKKOS_INLINE_FUNCTION value_type& reference() const { return *value; }
+  result_view_type view() const { return result_view_type(value); }
+  KOKKOS_INLINE_FUNCTION bool references_scalar() const { return true; }
+};
+
+/// sum_e f(e) over e in [0, E) in the fixed partial order, on the calling
+/// thread's vector lanes; every lane gets the total.
+template <class Member, class F>
+KOKKOS_INLINE_FUNCTION float ordered_sum(Member const& team, int E, F const& f) {
+  ScorePartials parts;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, score_partials),
+      [&](int l, ScorePartials& acc) {
+        float s = 0.0f;
+        for (int e = l; e < E; e += score_partials) s += f(e);
+        acc.v[l] += s;
+      },
+      ScorePartialsSum(parts));
+  float total = parts.v[0];
+  for (int l = 1; l < score_partials; ++l) total += parts.v[l];
+  return total;
 }
 
-/// Largest E the per-token kernels keep in registers.
-constexpr int router_backward_max_experts = 1024;
+/// How a score comes from a logit.
+enum class ScoreKind : int { softmax, sigmoid, identity };
+
+/// One token's scores, recomputed from its logits on demand: softmax
+/// exp(z - max) / sum, sigmoid 1 / (1 + exp(-z)) (divided by the sum of
+/// the token's sigmoids when normalized), identity z.
+struct TokenScore {
+  ScoreKind kind = ScoreKind::identity;
+  float m = 0.0f;      ///< softmax: the largest logit
+  float sum = 1.0f;    ///< the divisor (softmax, normalized sigmoid)
+  bool divide = false;
+  KOKKOS_INLINE_FUNCTION float raw(float z) const {
+    return kind == ScoreKind::softmax ? Compat::exp(z - m) : kind == ScoreKind::sigmoid ? 1.0f / (1.0f + Compat::exp(-z)) : z;
+  }
+  KOKKOS_INLINE_FUNCTION float operator()(float z) const { return divide ? raw(z) / sum : raw(z); }
+};
+
+/// Token t's TokenScore (its max and sum over the vector lanes).
+template <class Member, class Logits>
+KOKKOS_INLINE_FUNCTION TokenScore token_score(Member const& team, Logits const& z, index_t t, int E, ScoreKind kind,
+                                              bool normalized) {
+  TokenScore s;
+  s.kind = kind;
+  if (kind == ScoreKind::softmax) {
+    float m = z(t, 0);
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, E), [&](int e, float& mx) { mx = Compat::max(mx, z(t, e)); }, Kokkos::Max<float>(m));
+    s.m = m;
+  }
+  if (kind == ScoreKind::softmax || (kind == ScoreKind::sigmoid && normalized)) {
+    s.sum = ordered_sum(team, E, [&](int e) { return s.raw(z(t, e)); });
+    s.divide = true;
+  }
+  return s;
+}
 
 }  // namespace Impl
 
@@ -85,7 +163,8 @@ constexpr int router_backward_max_experts = 1024;
 /// (which `config`'s router produced from `logits`) given dgate [T, k] (zero
 /// for dropped routes, whose gates did not reach the output; their
 /// affinities still enter the normalization). Softmax and sigmoid scores;
-/// identity scores pass da straight to the selected inputs.
+/// identity scores pass da straight to the selected inputs. Any E; a team
+/// thread per token with vector lanes over the experts.
 /// \param accumulate add to dlogits instead of overwriting it
 template <class Exec, class MS>
 void router_backward(Exec const& exec, RouterConfig const& config, Kokkos::View<const float**, Kokkos::LayoutRight, MS> logits,
@@ -100,46 +179,42 @@ void router_backward(Exec const& exec, RouterConfig const& config, Kokkos::View<
                                                << "x" << table.top_k() << ", dgate " << dgate.extent(0) << "x" << dgate.extent(1)
                                                << ", dlogits " << dlogits.extent(0) << "x" << dlogits.extent(1)
                                                << "; the router has E = " << E << ", k = " << k);
-  KOKKOSMOE_REQUIRE(E <= Impl::router_backward_max_experts,
-                    "router_backward: E = " << E << " experts, at most " << Impl::router_backward_max_experts);
-  int const score = config.score == ScoreFunction::softmax ? 0 : config.score == ScoreFunction::sigmoid ? 1 : 2;
+  using Teams = Impl::TokenTeams<Exec>;
+  using Impl::ScoreKind;
+  ScoreKind const kind = config.score == ScoreFunction::softmax   ? ScoreKind::softmax
+                         : config.score == ScoreFunction::sigmoid ? ScoreKind::sigmoid
+                                                                  : ScoreKind::identity;
   bool const normalize = config.normalize;
   float const scale = config.route_scale;
   auto expert = table.expert;
   Compat::ScopedRegion region("KokkosMoE::router_backward");
+  if (T == 0) return;
   Kokkos::parallel_for(
-      "KokkosMoE::router_backward", Kokkos::RangePolicy<Exec, Kokkos::IndexType<index_t>>(exec, 0, T),
-      KOKKOS_LAMBDA(index_t t) {
-        float p[Impl::router_backward_max_experts];
-        if (score == 2) {
-          for (int e = 0; e < E; ++e) p[e] = logits(t, e);
-        } else {
-          Impl::token_scores(logits, t, E, score == 0, false, p);
-        }
+      "KokkosMoE::router_backward[team]", Teams::policy(exec, T), KOKKOS_LAMBDA(typename Teams::Member const& team) {
+        index_t const t = Teams::item(team);
+        if (t >= T) return;
+        Impl::TokenScore const p = Impl::token_score(team, logits, t, E, kind, false);
         float S = 0.0f;
-        for (int j = 0; j < k; ++j) S += p[expert(t, j)];
+        for (int j = 0; j < k; ++j) S += p(logits(t, expert(t, j)));
         float const denom = (normalize && S > 0.0f) ? S : 1.0f;
         // sum_i dg_i a_i / S (the normalization's share).
         float cross = 0.0f;
         if (normalize && S > 0.0f)
-          for (int j = 0; j < k; ++j) cross += dgate(t, j) * p[expert(t, j)] / S;
-        for (int e = 0; e < E; ++e)
-          if (!accumulate) dlogits(t, e) = 0.0f;
-        if (score == 0) {
-          float dot = 0.0f;  // sum_j da_j a_j
-          for (int j = 0; j < k; ++j) dot += scale * (dgate(t, j) - cross) / denom * p[expert(t, j)];
-          for (int e = 0; e < E; ++e) dlogits(t, e) -= p[e] * dot;
+          for (int j = 0; j < k; ++j) cross += dgate(t, j) * p(logits(t, expert(t, j))) / S;
+        float dot = 0.0f;  // softmax: sum_j da_j a_j
+        if (kind == ScoreKind::softmax)
+          for (int j = 0; j < k; ++j) dot += scale * (dgate(t, j) - cross) / denom * p(logits(t, expert(t, j)));
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, E), [&](int e) {
+          float const pe = p(logits(t, e));
+          float v = accumulate ? dlogits(t, e) : 0.0f;
+          if (kind == ScoreKind::softmax) v -= pe * dot;
           for (int j = 0; j < k; ++j) {
-            int const e = expert(t, j);
-            dlogits(t, e) += p[e] * scale * (dgate(t, j) - cross) / denom;
-          }
-        } else {
-          for (int j = 0; j < k; ++j) {
-            int const e = expert(t, j);
+            if (expert(t, j) != e) continue;
             float const da = scale * (dgate(t, j) - cross) / denom;
-            dlogits(t, e) += score == 1 ? da * p[e] * (1.0f - p[e]) : da;
+            v += kind == ScoreKind::softmax ? pe * da : kind == ScoreKind::sigmoid ? da * pe * (1.0f - pe) : da;
           }
-        }
+          dlogits(t, e) = v;
+        });
       });
   Compat::fence(exec, "KokkosMoE::router_backward");
 }
@@ -189,8 +264,6 @@ BalanceLossResult balance_loss(Exec const& exec, RouterConfig const& config, Bal
                                               << "x" << table.top_k() << "; the router has E = " << E << ", k = " << k);
     KOKKOSMOE_REQUIRE(!want_grad || (static_cast<index_t>(dlogits.extent(0)) == T && static_cast<int>(dlogits.extent(1)) == E),
                       "balance_loss: dlogits is " << dlogits.extent(0) << "x" << dlogits.extent(1) << ", expected " << T << "x" << E);
-    KOKKOSMOE_REQUIRE(E <= Impl::router_backward_max_experts,
-                      "balance_loss: E = " << E << " experts, at most " << Impl::router_backward_max_experts);
     KOKKOSMOE_REQUIRE(bl.alpha >= 0.0, "balance_loss: alpha = " << bl.alpha << " is negative");
     if (bl.form == BalanceLossForm::sequence)
       KOKKOSMOE_REQUIRE(S > 0 && T % S == 0,
@@ -208,25 +281,32 @@ BalanceLossResult balance_loss(Exec const& exec, RouterConfig const& config, Bal
   bool const softmax = config.score == ScoreFunction::softmax;
   bool const per_sequence = bl.form == BalanceLossForm::sequence;
   // Statistics over chunks of tokens (a sequence each, or 256 tokens), one
-  // thread per chunk in token order, summed on the host in chunk order:
-  // the same bits for any execution space.
+  // team thread per chunk in token order (its lanes over the experts),
+  // summed on the host in chunk order: the same sums for any execution
+  // space and vector length.
   index_t const chunk = per_sequence ? S : index_t(256);
   index_t const chunks = (T + chunk - 1) / chunk;
   index_t const groups = per_sequence ? chunks : (T > 0 ? 1 : 0);
   Kokkos::View<double**, Kokkos::LayoutRight, MS> psum("KokkosMoE::balance_loss::psum", chunks, E);
   Kokkos::View<std::int64_t**, Kokkos::LayoutRight, MS> count("KokkosMoE::balance_loss::count", chunks, E);
   auto expert = table.expert;
-  Kokkos::parallel_for(
-      "KokkosMoE::balance_loss[statistics]", Kokkos::RangePolicy<Exec, Kokkos::IndexType<index_t>>(exec, 0, chunks),
-      KOKKOS_LAMBDA(index_t c) {
-        float p[Impl::router_backward_max_experts];
-        index_t const end = (c + 1) * chunk < T ? (c + 1) * chunk : T;
-        for (index_t t = c * chunk; t < end; ++t) {
-          Impl::token_scores(logits, t, E, softmax, true, p);
-          for (int e = 0; e < E; ++e) psum(c, e) += static_cast<double>(p[e]);
-          for (int j = 0; j < k; ++j) count(c, expert(t, j)) += 1;
-        }
-      });
+  using Teams = Impl::TokenTeams<Exec>;
+  Impl::ScoreKind const kind = softmax ? Impl::ScoreKind::softmax : Impl::ScoreKind::sigmoid;
+  if (chunks > 0)
+    Kokkos::parallel_for(
+        "KokkosMoE::balance_loss[statistics]", Teams::policy(exec, chunks), KOKKOS_LAMBDA(typename Teams::Member const& team) {
+          index_t const c = Teams::item(team);
+          if (c >= chunks) return;
+          index_t const end = (c + 1) * chunk < T ? (c + 1) * chunk : T;
+          for (index_t t = c * chunk; t < end; ++t) {
+            Impl::TokenScore const p = Impl::token_score(team, logits, t, E, kind, true);
+            Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, E),
+                                 [&](int e) { psum(c, e) += static_cast<double>(p(logits(t, e))); });
+            Kokkos::single(Kokkos::PerThread(team), [&]() {
+              for (int j = 0; j < k; ++j) count(c, expert(t, j)) += 1;
+            });
+          }
+        });
   auto hpc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), psum);
   auto hcc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), count);
   // Per group ([groups, E]: the sequences, or one row of all chunks).
@@ -313,18 +393,18 @@ BalanceLossResult balance_loss(Exec const& exec, RouterConfig const& config, Bal
   Kokkos::deep_copy(exec, q, hq);
   float const gscale = static_cast<float>(group_scale) * weight;
   Kokkos::parallel_for(
-      "KokkosMoE::balance_loss[gradient]", Kokkos::RangePolicy<Exec, Kokkos::IndexType<index_t>>(exec, 0, T),
-      KOKKOS_LAMBDA(index_t t) {
-        float p[Impl::router_backward_max_experts];
-        Impl::token_scores(logits, t, E, softmax, true, p);
+      "KokkosMoE::balance_loss[gradient]", Teams::policy(exec, T), KOKKOS_LAMBDA(typename Teams::Member const& team) {
+        index_t const t = Teams::item(team);
+        if (t >= T) return;
+        Impl::TokenScore const p = Impl::token_score(team, logits, t, E, kind, true);
         index_t const row = per_sequence ? t / S : 0;
-        float mean_q = 0.0f;
-        for (int e = 0; e < E; ++e) mean_q += p[e] * q(row, e);
-        for (int j = 0; j < E; ++j) {
-          float c = p[j];
-          if (!softmax) c *= 1.0f - 1.0f / (1.0f + Compat::exp(-logits(t, j)));
+        float const mean_q = Impl::ordered_sum(team, E, [&](int e) { return p(logits(t, e)) * q(row, e); });
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, E), [&](int j) {
+          float const z = logits(t, j);
+          float c = p(z);
+          if (!softmax) c *= 1.0f - 1.0f / (1.0f + Compat::exp(-z));
           dlogits(t, j) += gscale * c * (q(row, j) - mean_q);
-        }
+        });
       });
   Compat::fence(exec, "KokkosMoE::balance_loss");
   return r;
