@@ -339,6 +339,21 @@ void zero_fill(Exec const& exec, View const& v) {
   }
 }
 
+/// \brief f(r, c) for every element (r, c) of `rows` rows of `width`
+/// columns: a team per row with vector lanes over its columns (coalesced on
+/// GPUs; a plain loop per row on hosts). For elementwise row kernels; each
+/// element's result must not depend on the order of elements.
+template <class Exec, class F>
+void for_each_row_element(Exec const& exec, char const* label, index_t rows, int width, F const& f) {
+  if (rows <= 0 || width <= 0) return;
+  using member_t = typename Kokkos::TeamPolicy<Exec>::member_type;
+  Kokkos::parallel_for(
+      label, Impl::row_policy(exec, rows), KOKKOS_LAMBDA(member_t const& team) {
+        index_t const r = team.league_rank();
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, width), [&](int c) { f(r, c); });
+      });
+}
+
 /// \brief Reinterprets a view of trivially copyable records as [n, sizeof(R)] bytes.
 template <class R, class MS>
 Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS> as_rows(Kokkos::View<R*, MS> const& v) {

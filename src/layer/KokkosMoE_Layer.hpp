@@ -345,11 +345,9 @@ class MoELayer {
       route_grad = work_.template matrix<T>(exec, "bwd_route_grad", R, static_cast<std::size_t>(d));
       auto token = routes.token;
       auto gate = routes.gate;
-      Kokkos::parallel_for(
-          "KokkosMoE::Layer::backward[route rows]", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, R), KOKKOS_LAMBDA(index_t a) {
-            float const g = gate(a);
-            for (int c = 0; c < d; ++c) route_grad(a, c) = from_float<T>(g * to_float(dOut(token(a), c)));
-          });
+      for_each_row_element(exec, "KokkosMoE::Layer::backward[route rows]", R, d, KOKKOS_LAMBDA(index_t a, int c) {
+        route_grad(a, c) = from_float<T>(gate(a) * to_float(dOut(token(a), c)));
+      });
     }
     // The gradient rows cross the dispatch exchange: every route is its own
     // "token" (same slots, destinations and send order; pooled-wave through
@@ -443,10 +441,9 @@ class MoELayer {
   void add_rows(ExecutionSpace const& exec, RowMatrix<float, MemorySpace> const& add, RowMatrix<T, MemorySpace> const& dX) {
     index_t const n = static_cast<index_t>(dX.extent(0));
     int const d = config_.hidden;
-    Kokkos::parallel_for(
-        "KokkosMoE::Layer::backward[add]", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, n), KOKKOS_LAMBDA(index_t t) {
-          for (int c = 0; c < d; ++c) dX(t, c) = from_float<T>(to_float(dX(t, c)) + add(t, c));
-        });
+    for_each_row_element(exec, "KokkosMoE::Layer::backward[add]", n, d, KOKKOS_LAMBDA(index_t t, int c) {
+      dX(t, c) = from_float<T>(to_float(dX(t, c)) + add(t, c));
+    });
   }
 
   /// g = the sum of every rank's g, reduced to rank 0 in a fixed order and
@@ -801,14 +798,11 @@ class MoELayer {
     int const d = config_.hidden;
     KOKKOSMOE_REQUIRE(static_cast<index_t>(y.extent(0)) == n * S, "MoE layer: shared expert outputs have " << y.extent(0)
                                                                   << " rows for " << n << " tokens and " << S << " experts");
-    Kokkos::parallel_for(
-        "KokkosMoE::Layer::add_shared", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, n), KOKKOS_LAMBDA(index_t t) {
-          for (int c = 0; c < d; ++c) {
-            float acc = to_float(out(t, c));
-            for (int s = 0; s < S; ++s) acc += y(s * n + t, c);
-            out(t, c) = from_float<T>(acc);
-          }
-        });
+    for_each_row_element(exec, "KokkosMoE::Layer::add_shared", n, d, KOKKOS_LAMBDA(index_t t, int c) {
+      float acc = to_float(out(t, c));
+      for (int s = 0; s < S; ++s) acc += y(s * n + t, c);
+      out(t, c) = from_float<T>(acc);
+    });
   }
 
  private:

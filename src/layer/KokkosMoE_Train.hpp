@@ -19,6 +19,7 @@
 #include <KokkosMoE_Experts_ReplicaGradients.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Layer.hpp>
+#include <KokkosMoE_RowKit.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -172,10 +173,9 @@ class Trainer {
       auto target = target_;
       auto dout = dout_;
       float const scale = count > 0 ? static_cast<float>(2.0 / count) : 0.0f;
-      Kokkos::parallel_for(
-          "KokkosMoE::Trainer::dloss", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, n), KOKKOS_LAMBDA(index_t t) {
-            for (int c = 0; c < d; ++c) dout(t, c) = scale * (out(t, c) - target(t, c));
-          });
+      for_each_row_element(exec, "KokkosMoE::Trainer::dloss", n, d, KOKKOS_LAMBDA(index_t t, int c) {
+        dout(t, c) = scale * (out(t, c) - target(t, c));
+      });
     }
     LayerBackwardOptions bo;
     bo.balance = config_.balance;
