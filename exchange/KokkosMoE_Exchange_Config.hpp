@@ -63,6 +63,12 @@ struct TransportOptions {
   /// transport sends between emulated links completes no earlier than the
   /// fabric's model allows (KokkosMoE_Exchange_Fabric.hpp). Null: none.
   std::shared_ptr<FabricEmulator> fabric;
+  /// MPI transport: move rows through host copies even where MPI could read
+  /// the buffers themselves (host memory, or device memory with a
+  /// CUDA-aware MPI): for an MPI whose device support is missing or
+  /// unreliable, and so that host builds test the staged path. A staged
+  /// transfer completes before its start returns.
+  bool stage_through_host = false;
 };
 
 /// \brief Configuration of one exchange (any algorithm).
@@ -74,6 +80,7 @@ struct ExchangeConfig {
   double watchdog_seconds = 300.0;                 ///< see TransportOptions
   bool verify_send_rows = false;                   ///< see TransportOptions
   std::shared_ptr<FabricEmulator> fabric;          ///< see TransportOptions
+  bool stage_through_host = false;                 ///< see TransportOptions
   // Pooled-wave static shape (A = tokens_per_rank * top_k routes per rank).
   int waves = 1;                 ///< W
   double sender_cf = 1.25;       ///< sender pool rows ceil(sender_cf * A / P / W)
@@ -81,7 +88,7 @@ struct ExchangeConfig {
   index_t tokens_per_rank = 0;   ///< the largest token count of any rank
   int top_k = 1;
 
-  TransportOptions transport_options() const { return TransportOptions{watchdog_seconds, verify_send_rows, fabric}; }
+  TransportOptions transport_options() const { return TransportOptions{watchdog_seconds, verify_send_rows, fabric, stage_through_host}; }
 };
 
 }  // namespace Exchange

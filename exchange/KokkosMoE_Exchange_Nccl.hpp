@@ -29,9 +29,12 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 namespace KokkosMoE {
 namespace Exchange {
@@ -46,11 +49,42 @@ namespace Exchange {
 #define KOKKOSMOE_CUDA_CHECK(call) KOKKOSMOE_LIB_CHECK(call, cudaSuccess, cudaGetErrorString)
 #define KOKKOSMOE_NCCL_CHECK(call) KOKKOSMOE_LIB_CHECK(call, ncclSuccess, ncclGetErrorString)
 
+/// \brief Collective over c: empty when every rank of c drives its own GPU
+/// (the CUDA device current on it, by host name and PCI bus id), else the
+/// same description of the first two ranks that share one, on every rank.
+/// NCCL refuses two ranks of a communicator on one GPU.
+inline std::string nccl_device_conflict(Topology::Communicator const& c) {
+  constexpr int name_bytes = MPI_MAX_PROCESSOR_NAME + 32;
+  std::vector<char> mine(name_bytes, '\0'), all(static_cast<std::size_t>(name_bytes) * c.size(), '\0');
+  int device = 0, length = 0;
+  char bus[32] = {0};
+  KOKKOSMOE_CUDA_CHECK(cudaGetDevice(&device));
+  KOKKOSMOE_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, static_cast<int>(sizeof bus), device));
+  KOKKOSMOE_MPI_CHECK(MPI_Get_processor_name(mine.data(), &length), c.comm());
+  std::snprintf(mine.data() + MPI_MAX_PROCESSOR_NAME, 32, "%s", bus);
+  KOKKOSMOE_MPI_CHECK(MPI_Allgather(mine.data(), name_bytes, MPI_CHAR, all.data(), name_bytes, MPI_CHAR, c.comm()), c.comm());
+  auto host = [&](int r) { return std::string(all.data() + static_cast<std::size_t>(r) * name_bytes); };
+  auto pci = [&](int r) { return std::string(all.data() + static_cast<std::size_t>(r) * name_bytes + MPI_MAX_PROCESSOR_NAME); };
+  for (int b = 1; b < c.size(); ++b)
+    for (int a = 0; a < b; ++a)
+      if (host(a) == host(b) && pci(a) == pci(b)) {
+        std::ostringstream os;
+        os << "NCCL over " << c.name() << ": peer slots " << a << " and " << b << " (ranks " << c.global_rank(a) << " and "
+           << c.global_rank(b) << ") share the GPU at PCI " << pci(a) << " on host " << host(a)
+           << "; NCCL needs one GPU per rank (start at most one rank per GPU, or use [exchange] transport = \"mpi\")";
+        return os.str();
+      }
+  return {};
+}
+
 /// \brief An NCCL communicator over the ranks of one MPI communicator, in its
-/// peer order (NCCL rank = peer slot). Collective over that communicator.
+/// peer order (NCCL rank = peer slot). Collective over that communicator;
+/// throws the same Error on every rank when two of them share a GPU.
 class NcclCommunicator {
  public:
   explicit NcclCommunicator(Topology::Communicator const& c) {
+    std::string const conflict = nccl_device_conflict(c);
+    KOKKOSMOE_REQUIRE(conflict.empty(), conflict);
     ncclUniqueId id;
     if (c.my_slot() == 0) KOKKOSMOE_NCCL_CHECK(ncclGetUniqueId(&id));
     KOKKOSMOE_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, c.comm()), c.comm());

@@ -268,7 +268,7 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     }
   }
   constexpr bool host_visible = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
-  bool const direct = host_visible || mpi_is_cuda_aware();
+  bool const direct = (host_visible || mpi_is_cuda_aware()) && !options.stage_through_host;
   std::vector<Impl::Pending> pending;
   if (direct) {
     Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: self copies");
@@ -299,11 +299,15 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
                         });
   }
   // Host staging: copy send rows out, receive into host rows, copy back.
+  // The receive rows start as the device rows, so that a receive of fewer
+  // rows than its count (receives_up_to) leaves the rest as it was. The
+  // copies are new even for host memory (stage_through_host).
   std::vector<typename Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>::HostMirror> hs, hr;
   for (auto const& s : sets) {
-    hs.push_back(Kokkos::create_mirror_view(s.send));
-    hr.push_back(Kokkos::create_mirror_view(s.recv));
+    hs.push_back(Kokkos::create_mirror(s.send));
+    hr.push_back(Kokkos::create_mirror(s.recv));
     Kokkos::deep_copy(exec, hs.back(), s.send);
+    Kokkos::deep_copy(exec, hr.back(), s.recv);
   }
   Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: staged to host");
   int tag = 7000;

@@ -1,7 +1,8 @@
 // Device transports (built with Kokkos CUDA): the NCCL transport and the MPI
-// transport on device buffers (CUDA-aware or staged through host mirrors)
-// give the same rows as the host reference. Skipped (exit code 77) when no
-// GPU is visible.
+// transport on device buffers (CUDA-aware or staged through host mirrors,
+// and staged on request) give the same rows as the host reference. Ranks
+// that share a GPU get NCCL's refusal in words on every rank. Skipped (exit
+// code 77) when no GPU is visible.
 
 #include "kmoe_catch.hpp"
 #include "kmoe_exchange_util.hpp"
@@ -16,7 +17,8 @@ using namespace KokkosMoE::Exchange;
 
 namespace {
 
-std::vector<float> device_step(Topology::CommunicatorSet const& comms, Placement const& placement, int rank, TransportKind transport) {
+std::vector<float> device_step(Topology::CommunicatorSet const& comms, Placement const& placement, int rank, TransportKind transport,
+                               bool stage_through_host = false) {
   using DMS = Kokkos::DefaultExecutionSpace::memory_space;
   Kokkos::DefaultExecutionSpace exec;
   int const T = 6, k = 2, d = 8;
@@ -44,6 +46,7 @@ std::vector<float> device_step(Topology::CommunicatorSet const& comms, Placement
   config.payload = PayloadType::fp32;
   config.return_payload = PayloadType::fp32;
   config.transport = transport;
+  config.stage_through_host = stage_through_host;
   // Through the contract, as a layer holds it: the algorithm and the
   // transport chosen by configuration.
   auto x = make_exchange<float, Kokkos::DefaultExecutionSpace, DMS>(comms, placement, config);
@@ -74,9 +77,17 @@ TEST_CASE("device buffers: MPI (CUDA-aware or staged) and NCCL match", "[exchang
     int const t = static_cast<int>(i) / 8, c = static_cast<int>(i) % 8;
     CHECK(mpi[i] == Approx(0.75 * (0.5 * t - 0.25 * c + rank)).margin(1e-5));
   }
+  CHECK(kmoe_test::same_bits(device_step(comms, placement, rank, TransportKind::mpi, /*stage_through_host=*/true), mpi));
 #if defined(KOKKOSMOE_HAVE_NCCL) && defined(KOKKOS_ENABLE_CUDA)
-  auto nccl = device_step(comms, placement, rank, TransportKind::nccl);
-  CHECK(kmoe_test::same_bits(nccl, mpi));
+  std::string const conflict = nccl_device_conflict(comms.ep());
+  if (conflict.empty()) {
+    auto nccl = device_step(comms, placement, rank, TransportKind::nccl);
+    CHECK(kmoe_test::same_bits(nccl, mpi));
+  } else {
+    // Ranks sharing one GPU (a one-GPU machine at np 2): the same error on every rank.
+    INFO(conflict);
+    CHECK_THROWS_WITH(device_step(comms, placement, rank, TransportKind::nccl), Catch::Matchers::Contains("NCCL needs one GPU per rank"));
+  }
 #endif
   INFO("CUDA-aware MPI: " << mpi_is_cuda_aware());
 }

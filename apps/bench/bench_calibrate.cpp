@@ -19,7 +19,9 @@
 //   BENCH name=calibrate_<link> alpha_us=... beta_gbps=... ratio=<fitted time of a 1 MiB message / baseline>
 // where the baseline is a same-run memcpy of 1 MiB (same_rank, intra_node,
 // inter_node) or the fabric's own model cost of a 1 MiB message (nic: 1 means
-// the emulation adds only what it states).
+// the emulation adds only what it states). The buffers are host memory: on a
+// GPU build the fitted costs describe host transfers, not device-memory ones
+// (CUDA-aware or staged), so a model for GPU exchanges needs its own fit.
 
 #include "kmoe_bench_common.hpp"
 

@@ -2,9 +2,11 @@
 // exchange contract (dispatch from the hidden rows, pack and repack
 // included, identity experts, combine into the return buffer) next to a raw
 // MPI_Alltoallv moving the same bytes in the same run (per-peer byte counts
-// identical to the flat exchange: rows plus metadata out, rows back). Times
-// are the slowest rank's, medians of reps that alternate each algorithm with
-// the baseline.
+// identical to the flat exchange: rows plus metadata out, rows back), from
+// buffers in the exchange's memory space (device memory without a CUDA-aware
+// MPI goes through host copies, as the exchange's does). Times are the
+// slowest rank's, medians of reps that alternate each algorithm with the
+// baseline.
 
 #include "kmoe_bench_common.hpp"
 
@@ -126,11 +128,29 @@ int run(int argc, char** argv) {
   auto const in_d = bytes_for(recv_rows, rb + static_cast<std::int64_t>(sizeof(RowMeta)), rc_d, rd_d);
   bytes_for(recv_rows, rb, sc_c, sd_c);
   bytes_for(plan.counts, rb, rc_c, rd_c);
-  std::vector<unsigned char> a_out(static_cast<std::size_t>(out_d), 1), a_in(static_cast<std::size_t>(in_d));
+  using bytes_view = Kokkos::View<unsigned char*, MS>;
+  bytes_view a_out("bench::alltoallv_out", static_cast<std::size_t>(out_d)), a_in("bench::alltoallv_in", static_cast<std::size_t>(in_d));
+  Kokkos::deep_copy(a_out, static_cast<unsigned char>(1));
+  bool const direct = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible || Exchange::mpi_is_cuda_aware();
+  typename bytes_view::HostMirror h_out, h_in;  // host copies when MPI cannot read MS
+  if (!direct) {
+    h_out = Kokkos::create_mirror(a_out);
+    h_in = Kokkos::create_mirror(a_in);
+  }
   // Raw MPI_Alltoallv moving the same bytes: rows + metadata out, rows back.
   auto alltoallv = [&] {
-    MPI_Alltoallv(a_out.data(), sc_d.data(), sd_d.data(), MPI_BYTE, a_in.data(), rc_d.data(), rd_d.data(), MPI_BYTE, comms.ep().comm());
-    MPI_Alltoallv(a_in.data(), sc_c.data(), sd_c.data(), MPI_BYTE, a_out.data(), rc_c.data(), rd_c.data(), MPI_BYTE, comms.ep().comm());
+    MPI_Comm const ep = comms.ep().comm();
+    if (direct) {
+      MPI_Alltoallv(a_out.data(), sc_d.data(), sd_d.data(), MPI_BYTE, a_in.data(), rc_d.data(), rd_d.data(), MPI_BYTE, ep);
+      MPI_Alltoallv(a_in.data(), sc_c.data(), sd_c.data(), MPI_BYTE, a_out.data(), rc_c.data(), rd_c.data(), MPI_BYTE, ep);
+      return;
+    }
+    Kokkos::deep_copy(h_out, a_out);
+    MPI_Alltoallv(h_out.data(), sc_d.data(), sd_d.data(), MPI_BYTE, h_in.data(), rc_d.data(), rd_d.data(), MPI_BYTE, ep);
+    Kokkos::deep_copy(a_in, h_in);
+    Kokkos::deep_copy(h_in, a_in);
+    MPI_Alltoallv(h_in.data(), sc_c.data(), sd_c.data(), MPI_BYTE, h_out.data(), rc_c.data(), rd_c.data(), MPI_BYTE, ep);
+    Kokkos::deep_copy(a_out, h_out);
   };
 
   std::string const shape = "T" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_d" + std::to_string(width) + "_E" +
@@ -142,6 +162,7 @@ int run(int argc, char** argv) {
                                 std::to_string(size),
                             {{"s", kmoe_bench::fmt(s)}, {"alltoallv_s", kmoe_bench::fmt(alltoallv_s)}, {"dtype", "bf16"},
                              {"transport", transport}, {"memory", MS::name()},
+                             {"baseline_mpi", direct ? "direct" : "host_staged"},
                              {"shape", shape}, {"nodes", std::to_string(topo.num_nodes())},
                              {"inter_node_bytes", std::to_string(total.dispatch.inter_node_payload_bytes())},
                              {"relay_rows", std::to_string(total.dispatch.relay_rows())},

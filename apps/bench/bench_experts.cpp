@@ -9,7 +9,8 @@
 // gflops = useful matmul FLOPs (6 * routed rows * d * d_ff) / runner wall
 // time, so padding a runner executes costs it; exec_gflops counts executed
 // rows; ratio = gflops / dense_gflops (wall times, medians). cpu_ratio is the
-// same ratio from process CPU times, a diagnostic for loaded machines.
+// same ratio from process CPU times, a diagnostic for loaded machines (host
+// execution spaces only: on a GPU the CPU time is time spent waiting).
 // Decode cases (decode_r<R>: R rows for every expert) add the weight stream:
 // weight_gbps = bytes of the experts' weights read once / runner time, next
 // to read_gbps, the same run's read bandwidth of a large array, and
@@ -181,6 +182,7 @@ int run(int argc, char** argv) {
   Exec exec;
   // Host threads (BLAS, CPU-time ratios): a device space's concurrency counts its own threads.
   int const threads = kmoe_bench::host_threads();
+  constexpr bool host_exec = Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible;
   bool const bf16 = dtype == "bf16";
   // The dense baseline in the runner's element type where a vendor GEMM takes
   // bf16 (cuBLAS), else the fp32 chain.
@@ -326,7 +328,7 @@ int run(int argc, char** argv) {
           {"threads", std::to_string(threads)},
           {"blas_threads", std::to_string(blas_threads)},
           {"ms", kmoe_bench::fmt(t.wall * 1e3)},
-          {"cpu_ratio", kmoe_bench::fmt(cpu_gflops / dense_cpu_gflops)},
+          {"cpu_ratio", host_exec ? kmoe_bench::fmt(cpu_gflops / dense_cpu_gflops) : std::string("none")},
           {"rows", std::to_string(ledger.useful_rows)},
           {"executed_rows", std::to_string(ledger.executed_rows)},
           {"decode_rows", std::to_string(ledger.decode_rows)},

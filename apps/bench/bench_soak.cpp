@@ -8,7 +8,9 @@
 // had on the reference (the deck's placement, flat exchange) before the
 // soak started. Prints resident memory after the warm-up (the first
 // generation switch and one step of every algorithm on it) and at the end,
-// the slowest rank's growth, and the steps whose output differed:
+// the slowest rank's growth (and, on CUDA builds, the growth of the memory
+// in use on the GPU, which host RSS does not see), and the steps whose
+// output differed:
 //
 //   BENCH name=soak_np4 steps=2000 ... rss_growth_mb=... digest_mismatches=0 ratio=<late/early step time>
 //
@@ -36,6 +38,9 @@
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
+#if defined(KOKKOS_ENABLE_CUDA)
+#include <cuda_runtime.h>
+#endif
 
 namespace {
 
@@ -54,6 +59,19 @@ double resident_mb() {
   long pages = 0, resident = -1;
   if (!(in >> pages >> resident)) return -1.0;
   return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1024.0 * 1024.0);
+}
+
+/// Memory in use on this rank's GPU in MiB (the whole device: every process
+/// on it), -1 without a CUDA build. Host RSS does not see device views.
+double device_used_mb() {
+#if defined(KOKKOS_ENABLE_CUDA)
+  Kokkos::fence();
+  std::size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return -1.0;
+  return static_cast<double>(total_bytes - free_bytes) / (1024.0 * 1024.0);
+#else
+  return -1.0;
+#endif
 }
 
 struct SoakOptions {
@@ -115,7 +133,7 @@ int soak(LayerDeck const& deck, SoakOptions const& o) {
   int mismatches = 0, generations = 1;
   std::int64_t drops = 0;
   int const warm_step = (o.steps > o.rebalance_every + 3 ? o.rebalance_every : 0) + 3;
-  double rss_start = -1, early_s = 0, late_s = 0;
+  double rss_start = -1, device_start = -1, early_s = 0, late_s = 0;
   int early_n = 0, late_n = 0;
   int const late_from = std::max(warm_step, o.steps - o.rebalance_every);
   for (int s = 0; s < o.steps; ++s) {
@@ -155,7 +173,10 @@ int soak(LayerDeck const& deck, SoakOptions const& o) {
     double step_s = 0;
     double const mine = rec.seconds.at("total");
     allreduce_watched(&mine, &step_s, 1, MPI_DOUBLE, MPI_MAX, world, "soak: step time", watchdog);
-    if (s + 1 == warm_step) rss_start = resident_mb();
+    if (s + 1 == warm_step) {
+      rss_start = resident_mb();
+      device_start = device_used_mb();
+    }
     if (s >= warm_step && s < warm_step + o.rebalance_every) early_s += step_s, ++early_n;
     if (s >= late_from) late_s += step_s, ++late_n;
     if (rank == 0 && (s + 1) % std::max(1, o.steps / 10) == 0) {
@@ -164,10 +185,11 @@ int soak(LayerDeck const& deck, SoakOptions const& o) {
       std::fflush(stdout);
     }
   }
-  double const rss_end = resident_mb();
+  double const rss_end = resident_mb(), device_end = device_used_mb();
   double const growth = rss_start >= 0 && rss_end >= 0 ? rss_end - rss_start : 0.0;
-  double r[3] = {growth, rss_start, rss_end}, rmax[3] = {0, 0, 0};
-  allreduce_watched(r, rmax, 3, MPI_DOUBLE, MPI_MAX, world, "soak: resident memory", watchdog);
+  double const device_growth = device_start >= 0 && device_end >= 0 ? device_end - device_start : 0.0;
+  double r[4] = {growth, rss_start, rss_end, device_growth}, rmax[4] = {0, 0, 0, 0};
+  allreduce_watched(r, rmax, 4, MPI_DOUBLE, MPI_MAX, world, "soak: resident memory", watchdog);
   double const early = early_n ? early_s / early_n : 0.0, late = late_n ? late_s / late_n : 0.0;
   kmoe_bench::print_bench("soak_np" + std::to_string(size),
                           {{"steps", std::to_string(o.steps)},
@@ -178,6 +200,7 @@ int soak(LayerDeck const& deck, SoakOptions const& o) {
                            {"rss_start_mb", kmoe_bench::fmt(rmax[1])},
                            {"rss_end_mb", kmoe_bench::fmt(rmax[2])},
                            {"rss_growth_mb", kmoe_bench::fmt(rmax[0])},
+                           {"device_growth_mb", device_end >= 0 ? kmoe_bench::fmt(rmax[3]) : std::string("none")},
                            {"digest_mismatches", std::to_string(mismatches)},
                            {"drops", std::to_string(drops)},
                            {"early_step_s", kmoe_bench::fmt(early)},

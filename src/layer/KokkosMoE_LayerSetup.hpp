@@ -110,6 +110,7 @@ inline Exchange::ExchangeConfig exchange_config(LayerDeck const& d) {
   c.return_payload = d.model.return_payload;
   c.watchdog_seconds = d.exchange.watchdog_seconds;
   c.verify_send_rows = d.exchange.verify_send_rows;
+  c.stage_through_host = d.exchange.stage_through_host;
   c.waves = d.exchange.waves;
   c.sender_cf = d.exchange.sender_cf;
   c.receiver_cf = d.exchange.receiver_cf;

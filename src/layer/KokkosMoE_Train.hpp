@@ -154,15 +154,23 @@ class Trainer {
       auto out = out_;
       auto target = target_;
       double sq = 0.0;
-      Kokkos::parallel_reduce(
-          "KokkosMoE::Trainer::loss", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, n),
-          KOKKOS_LAMBDA(index_t t, double& acc) {
-            for (int c = 0; c < d; ++c) {
-              double const e = static_cast<double>(out(t, c)) - static_cast<double>(target(t, c));
-              acc += e * e;
-            }
-          },
-          sq);
+      using member_t = typename Kokkos::TeamPolicy<ExecutionSpace>::member_type;
+      if (n > 0)
+        Kokkos::parallel_reduce(
+            "KokkosMoE::Trainer::loss", Impl::row_policy(exec, n),
+            KOKKOS_LAMBDA(member_t const& team, double& acc) {
+              index_t const t = team.league_rank();
+              double row = 0.0;
+              Kokkos::parallel_reduce(
+                  Kokkos::ThreadVectorRange(team, d),
+                  [&](int c, double& r) {
+                    double const e = static_cast<double>(out(t, c)) - static_cast<double>(target(t, c));
+                    r += e * e;
+                  },
+                  row);
+              Kokkos::single(Kokkos::PerThread(team), [&]() { acc += row; });
+            },
+            sq);
       local[0] = sq;
     }
     allreduce_watched(local, total, 2, MPI_DOUBLE, MPI_SUM, ep, "Trainer: loss", watchdog);

@@ -158,7 +158,8 @@ kmoe_status kmoe_layer_deck_rows(const kmoe_layer* layer, int32_t step, void* hi
 
 /** Collective: a content digest (16 hex digits and a NUL) of every rank's
  *  rows out[tokens][hidden] in rank order, the same on every rank (the
- *  output_digest of kmoe-layer's reports). */
+ *  output_digest of kmoe-layer's reports). out is host memory or, in CUDA
+ *  builds, device memory (recognized by the CUDA runtime). */
 kmoe_status kmoe_layer_digest(kmoe_layer* layer, const void* out, int64_t tokens, int64_t hidden_dim, char digest[17]);
 
 /** Collective: writes / reads the routed experts' weights (parallel HDF5). */

@@ -19,12 +19,17 @@
 #include <Kokkos_Core.hpp>
 #include <nlohmann/json.hpp>
 
+#if defined(KOKKOS_ENABLE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <variant>
+#include <vector>
 
 namespace {
 
@@ -520,7 +525,20 @@ kmoe_status kmoe_layer_digest(kmoe_layer* layer, const void* out, int64_t tokens
     else if (tokens > 0 && !out) problem = "kmoe_layer_digest: out is NULL";
     agree_arguments(layer->comm, problem, "kmoe_layer_digest arguments", layer->watchdog());
     std::size_t const bytes = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(hidden_dim) * dtype_size(layer->dtype());
-    std::string const d = ranks_digest(layer->comm, out, bytes, layer->watchdog());
+    void const* rows = out;
+    std::vector<unsigned char> staged;  // device rows, read on the host
+#if defined(KOKKOS_ENABLE_CUDA)
+    cudaPointerAttributes attributes;
+    if (bytes > 0 && cudaPointerGetAttributes(&attributes, out) == cudaSuccess && attributes.type == cudaMemoryTypeDevice) {
+      Kokkos::fence("kmoe_layer_digest");
+      staged.resize(bytes);
+      cudaError_t const rc = cudaMemcpy(staged.data(), out, bytes, cudaMemcpyDeviceToHost);
+      KOKKOSMOE_REQUIRE(rc == cudaSuccess, "kmoe_layer_digest: copying the device rows failed: " << cudaGetErrorString(rc));
+      rows = staged.data();
+    }
+    (void)cudaGetLastError();  // a host pointer the runtime does not know is not an error here
+#endif
+    std::string const d = ranks_digest(layer->comm, rows, bytes, layer->watchdog());
     std::memcpy(digest, d.c_str(), 17);
   });
 }
