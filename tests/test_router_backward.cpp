@@ -101,6 +101,15 @@ double worst_abs(std::vector<double> const& a, std::vector<double> const& b) {
   return w;
 }
 
+RouterConfig router_config(int E, int k, ScoreFunction score, bool normalize = false) {
+  RouterConfig c;
+  c.num_experts = E;
+  c.top_k = k;
+  c.score = score;
+  c.normalize = normalize;
+  return c;
+}
+
 RouteTable<MS> route(RouterConfig const& c, Mat const& logits) {
   Router<MS> router(c);
   RouteTable<MS> table;
@@ -134,11 +143,7 @@ TEST_CASE("gate gradients to logits equal finite differences with the selection 
   int const E = 6, k = 2;
   for (ScoreFunction score : {ScoreFunction::softmax, ScoreFunction::sigmoid})
     for (bool normalize : {false, true}) {
-      RouterConfig c;
-      c.num_experts = E;
-      c.top_k = k;
-      c.score = score;
-      c.normalize = normalize;
+      RouterConfig c = router_config(E, k, score, normalize);
       c.route_scale = 2.5f;
       auto const z = random_logits(T, E, rng, 2.0);
       Mat logits = device_matrix(z, T, E);
@@ -167,11 +172,7 @@ TEST_CASE("router gradients for many experts (E = 1536): no per-token limit", "[
   index_t const T = 3;
   int const E = 1536, k = 4;
   for (ScoreFunction score : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
-    RouterConfig c;
-    c.num_experts = E;
-    c.top_k = k;
-    c.score = score;
-    c.normalize = true;
+    RouterConfig const c = router_config(E, k, score, true);
     auto const z = random_logits(T, E, rng, 3.0);
     Mat logits = device_matrix(z, T, E);
     RouteTable<MS> table = route(c, logits);
@@ -249,10 +250,7 @@ TEST_CASE("sequence-wise and device-level balance losses and their gradients", "
   index_t const T = 12;
   int const E = 6, k = 2;
   for (ScoreFunction score : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
-    RouterConfig c;
-    c.num_experts = E;
-    c.top_k = k;
-    c.score = score;
+    RouterConfig const c = router_config(E, k, score);
     auto const z = random_logits(T, E, rng, 1.5);
     Mat logits = device_matrix(z, T, E);
     RouteTable<MS> table = route(c, logits);
