@@ -6,6 +6,7 @@
 #include "kmoe_test_util.hpp"
 
 #include <KokkosMoE_Deck.hpp>
+#include <KokkosMoE_LayerSetup.hpp>
 
 #include <fstream>
 #include <sstream>
@@ -100,6 +101,14 @@ TEST_CASE("the exchange transport is a deck choice; one this build lacks is refu
   auto const mpi = parse_layer_deck("d.toml", "[exchange]\ntransport = \"mpi\"\n", 1);
   CHECK(mpi.exchange.transport == Exchange::TransportKind::mpi);
   CHECK(mpi.resolved().find("transport = \"mpi\"") != std::string::npos);
+  CHECK_FALSE(Setup::exchange_config(mpi).stage_through_host);
+  CHECK(mpi.resolved().find("stage_through_host = false") != std::string::npos);
+  // MPI rows staged through host copies on request: in the exchange's configuration and the echo.
+  auto const staged = parse_layer_deck("d.toml", "[exchange]\nstage_through_host = true\n", 1);
+  CHECK(Setup::exchange_config(staged).stage_through_host);
+  CHECK(Setup::exchange_config(staged).transport_options().stage_through_host);
+  CHECK(staged.resolved().find("stage_through_host = true") != std::string::npos);
+  KMOE_DECK_ERROR("[exchange]\nstage_through_host = 1\n", 1, "key 'exchange.stage_through_host'");
   std::string const nccl = "[exchange]\nalgorithm = \"hierarchical\"\ntransport = \"nccl\"\n";
   if (Exchange::transport_available(Exchange::TransportKind::nccl)) {
     CHECK(parse_layer_deck("d.toml", nccl, 2).exchange.transport == Exchange::TransportKind::nccl);

@@ -523,8 +523,7 @@ kmoe_status kmoe_layer_digest(kmoe_layer* layer, const void* out, int64_t tokens
     if (!digest) problem = "kmoe_layer_digest: digest is NULL";
     else if (tokens < 0 || hidden_dim != layer->deck.model.hidden) problem = "kmoe_layer_digest: a " + std::to_string(tokens) + " x " + std::to_string(hidden_dim) + " array for hidden width " + std::to_string(layer->deck.model.hidden);
     else if (tokens > 0 && !out) problem = "kmoe_layer_digest: out is NULL";
-    agree_arguments(layer->comm, problem, "kmoe_layer_digest arguments", layer->watchdog());
-    std::size_t const bytes = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(hidden_dim) * dtype_size(layer->dtype());
+    std::size_t const bytes = problem.empty() ? static_cast<std::size_t>(tokens) * static_cast<std::size_t>(hidden_dim) * dtype_size(layer->dtype()) : 0;
     void const* rows = out;
     std::vector<unsigned char> staged;  // device rows, read on the host
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -533,11 +532,12 @@ kmoe_status kmoe_layer_digest(kmoe_layer* layer, const void* out, int64_t tokens
       Kokkos::fence("kmoe_layer_digest");
       staged.resize(bytes);
       cudaError_t const rc = cudaMemcpy(staged.data(), out, bytes, cudaMemcpyDeviceToHost);
-      KOKKOSMOE_REQUIRE(rc == cudaSuccess, "kmoe_layer_digest: copying the device rows failed: " << cudaGetErrorString(rc));
+      if (rc != cudaSuccess) problem = std::string("kmoe_layer_digest: copying the device rows failed: ") + cudaGetErrorString(rc);
       rows = staged.data();
     }
     (void)cudaGetLastError();  // a host pointer the runtime does not know is not an error here
 #endif
+    agree_arguments(layer->comm, problem, "kmoe_layer_digest arguments", layer->watchdog());
     std::string const d = ranks_digest(layer->comm, rows, bytes, layer->watchdog());
     std::memcpy(digest, d.c_str(), 17);
   });
