@@ -6,7 +6,10 @@
 // buffers in the exchange's memory space (device memory without a CUDA-aware
 // MPI goes through host copies, as the exchange's does). Times are the
 // slowest rank's, medians of reps that alternate each algorithm with the
-// baseline.
+// baseline. The hierarchical exchange runs with one relay per node (the
+// default layout) and, where nodes have more than one rank, as rails: every
+// rank the relay of its own rail (relays_per_node = ranks per node, DeepEP's
+// layout), case exchange_hierarchical_rails_np<N>.
 
 #include "kmoe_bench_common.hpp"
 
@@ -16,6 +19,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <memory>
 #include <numeric>
 #include <random>
 
@@ -94,6 +98,14 @@ int run(int argc, char** argv) {
   layout.ranks_per_node = size % 2 == 0 ? size / 2 : size;
   auto topo = Topology::Topology::discover(MPI_COMM_WORLD, layout);
   Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
+  // Rails: one relay per rank of the smallest node (same EP peer order).
+  int const rails = topo.min_ranks_per_node();
+  std::unique_ptr<Topology::CommunicatorSet> rail_comms;
+  if (rails > 1) {
+    Topology::CommSpec spec;
+    spec.relays_per_node = rails;
+    rail_comms = std::make_unique<Topology::CommunicatorSet>(MPI_COMM_WORLD, topo, spec);
+  }
   std::vector<int> node_of(static_cast<std::size_t>(size));
   for (int r = 0; r < size; ++r) node_of[r] = topo.node_of(r);
   Placement placement = Placement::round_robin(experts, size, node_of);
@@ -155,7 +167,7 @@ int run(int argc, char** argv) {
 
   std::string const shape = "T" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_d" + std::to_string(width) + "_E" +
                             std::to_string(experts);
-  auto report = [&](char const* algo, std::pair<double, double> times, Exchange::ByteLedger const& ledger) {
+  auto report = [&](std::string const& algo, int relays, std::pair<double, double> times, Exchange::ByteLedger const& ledger) {
     double const s = times.first, alltoallv_s = times.second;
     auto const total = ledger.reduced(MPI_COMM_WORLD);
     kmoe_bench::print_bench(std::string("exchange_") + algo + (transport == "mpi" ? "" : "_" + transport) + "_np" +
@@ -164,6 +176,7 @@ int run(int argc, char** argv) {
                              {"transport", transport}, {"memory", MS::name()},
                              {"baseline_mpi", direct ? "direct" : "host_staged"},
                              {"shape", shape}, {"nodes", std::to_string(topo.num_nodes())},
+                             {"relays_per_node", relays > 0 ? std::to_string(relays) : "none"},
                              {"inter_node_bytes", std::to_string(total.dispatch.inter_node_payload_bytes())},
                              {"relay_rows", std::to_string(total.dispatch.relay_rows())},
                              {"drops", std::to_string(total.dispatch.sender_drops + total.dispatch.receiver_drops)}},
@@ -179,10 +192,9 @@ int run(int argc, char** argv) {
   config.transport = from_string<Exchange::TransportKind>(transport);
   config.top_k = top_k;
   PayloadBuffer<MS> returned(exec, "bench::returned", PayloadType::bf16, width, plan.rows());
-  for (auto const& name : algorithms) {
-    auto const algorithm = from_string<Exchange::Algorithm>(name);
+  auto time_one = [&](Exchange::Algorithm algorithm, Topology::CommunicatorSet const& over, std::string const& label) {
     config.algorithm = algorithm;
-    auto x = Exchange::make_exchange<bf16_t, Exec, MS>(comms, placement, config);
+    auto x = Exchange::make_exchange<bf16_t, Exec, MS>(over, placement, config);
     Exchange::ByteLedger ledger;
     auto const times = timed_pair(reps, [&] {
       ledger = Exchange::ByteLedger();
@@ -192,7 +204,12 @@ int run(int argc, char** argv) {
         ledger.append(h.ledger);
       }
     }, alltoallv);
-    report(to_string(algorithm).c_str(), times, ledger);
+    report(label, algorithm == Exchange::Algorithm::hierarchical ? over.layout().relays_per_node : 0, times, ledger);
+  };
+  for (auto const& name : algorithms) {
+    auto const algorithm = from_string<Exchange::Algorithm>(name);
+    time_one(algorithm, comms, to_string(algorithm));
+    if (algorithm == Exchange::Algorithm::hierarchical && rail_comms) time_one(algorithm, *rail_comms, "hierarchical_rails");
   }
   return 0;
 }
