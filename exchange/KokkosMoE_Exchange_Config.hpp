@@ -81,6 +81,11 @@ struct ExchangeConfig {
   bool verify_send_rows = false;                   ///< see TransportOptions
   std::shared_ptr<FabricEmulator> fabric;          ///< see TransportOptions
   bool stage_through_host = false;                 ///< see TransportOptions
+  /// Flat exchange, where both payloads are the rows' own type: rows land
+  /// straight in their expert-major places and return straight from the
+  /// expert outputs (one message per source and local slot with rows), with
+  /// no repack copy either way. False: one message per peer, then a repack.
+  bool receive_into_experts = true;
   // Pooled-wave static shape (A = tokens_per_rank * top_k routes per rank).
   int waves = 1;                 ///< W
   double sender_cf = 1.25;       ///< sender pool rows ceil(sender_cf * A / P / W)

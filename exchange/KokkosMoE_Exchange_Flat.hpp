@@ -11,6 +11,17 @@
 /// combine: expert outputs to arrival order (encoded to the return payload)
 /// -> count agreement against the dispatch -> reverse all-to-all, straight
 /// into the caller's return buffer (send order).
+///
+/// Where both payloads are the rows' own type (ExchangeConfig::
+/// receive_into_experts), neither repack copies anything: a source's rows
+/// for one rank are in that rank's local slot order already (the plan sorts
+/// by destination, then slot), so each (source, slot) run goes straight to
+/// its place in the expert-major rows (expert rows of a slot are by source,
+/// then send position: the repack's order), and the combine sends the expert
+/// outputs back from those places into the return buffer's runs. The count
+/// agreement announces every run (empty ones too), so a receiver knows each
+/// run's slot before any row moves; the metadata arrives in arrival order,
+/// and the repack plan built from it is checked against the runs.
 
 #include <KokkosMoE_Exchange_Planner.hpp>
 #include <impl/KokkosMoE_Exchange_Common.hpp>
@@ -33,6 +44,19 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
   /// \brief One wave per step.
   int waves() const { return 1; }
 
+  /// \brief The runs of a dispatch whose rows went straight to their
+  /// expert-major places (the handle's state), for its combine.
+  struct Direct {
+    RowRuns expert_runs;  ///< per source peer slot: one run of expert rows per local slot
+  };
+
+  /// \brief Whether rows of type T go straight to and from the expert rows.
+  template <class T>
+  bool receives_into_experts() const {
+    return this->config_.receive_into_experts && KokkosMoE::Impl::same_representation<T>(this->config_.payload) &&
+           KokkosMoE::Impl::same_representation<T>(this->config_.return_payload);
+  }
+
   /// \brief Collective over the EP communicator: the routes of `routes`
   /// (send order of `plan`) to the ranks holding their slots; returns the
   /// handle whose expert rows are this rank's expert-major inputs.
@@ -54,6 +78,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
                                                 int wave = 0) {
     auto const& ep = this->comms_->ep();
     int const d = static_cast<int>(hidden.extent(1));
+    if (receives_into_experts<T>()) return dispatch_start_direct(exec, routes, plan, hidden, wave);
     Kokkos::Timer timer;
     auto h = this->template new_handle<T>(routes, plan, wave);
     PayloadBuffer<MemorySpace> send;
@@ -92,6 +117,23 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     Kokkos::Timer timer;
     KOKKOSMOE_REQUIRE(!h.delivered && h.pending.has_value(), "flat dispatch_finish: the handle is not a dispatch in flight");
     h.flight.finish();
+    if (std::any_cast<Direct>(&h.state)) {
+      // The rows are in place; the repack plan (what the handle's users
+      // read) follows from the metadata and must match the announced runs.
+      h.pending.reset();
+      agree(ep.comm(), problem_of([&] {
+              h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
+              KOKKOSMOE_REQUIRE(h.repack.slot_counts == h.expert_counts,
+                                "flat dispatch: the rows that arrived at rank " << this->me_
+                                                                               << " are for other slots than their senders announced");
+            }),
+            "flat dispatch repack", this->config_.watchdog_seconds);
+      Compat::fence(exec, "KokkosMoE::FlatExchange::dispatch");
+      h.seconds += timer.seconds();
+      h.ledger.dispatch.stages.back().seconds = h.seconds;
+      h.delivered = true;
+      return;
+    }
     auto const arrived = std::any_cast<PayloadBuffer<MemorySpace>>(h.pending);
     h.pending.reset();
     int const d = arrived.width;
@@ -129,6 +171,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
                      PayloadBuffer<MemorySpace> const& returned, std::string const& local_problem = {}) {
     auto const& ep = this->comms_->ep();
     int const d = static_cast<int>(h.expert_rows.extent(1));
+    if (Direct const* direct = std::any_cast<Direct>(&h.state)) return combine_start_direct(exec, h, *direct, expert_out, returned, local_problem);
     Kokkos::Timer timer;
     PayloadBuffer<MemorySpace> back;
     std::string problem = local_problem.empty() ? this->combine_problem(h, expert_out, returned) : local_problem;
@@ -162,6 +205,104 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
 
   /// \brief The per-rank ledgers this algorithm would report (planner).
   static std::vector<ByteLedger> plan(PlanInput const& in) { return plan_flat(in); }
+
+  /// \brief dispatch_start where rows land in their expert-major places
+  /// (see the file's description).
+  template <class T>
+  DispatchHandle<T, MemorySpace> dispatch_start_direct(ExecutionSpace const& exec, RoutePlan<MemorySpace> const& routes,
+                                                       DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden,
+                                                       int wave) {
+    auto const& ep = this->comms_->ep();
+    int const P = ep.size();
+    int const d = static_cast<int>(hidden.extent(1));
+    Kokkos::Timer timer;
+    auto h = this->template new_handle<T>(routes, plan, wave);
+    PayloadBuffer<MemorySpace> send;
+    Kokkos::View<RowMeta*, MemorySpace> meta;
+    std::string const problem = problem_of([&] {
+      this->check_dispatch(h, hidden, waves());
+      KOKKOSMOE_REQUIRE(static_cast<int>(plan.slot_runs.size()) == P,
+                        "flat dispatch: the dispatch plan has slot runs for " << plan.slot_runs.size() << " of " << P << " peers");
+      send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, plan.rows());
+      meta = this->work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
+      pack(exec, routes, plan, hidden, send, meta);
+    });
+    int max_slots = 0;
+    for (int r = 0; r < this->placement_.num_ranks(); ++r) max_slots = std::max(max_slots, this->placement_.num_slots_of_rank(r));
+    int const L = this->placement_.num_slots_of_rank(this->me_);
+    auto const agreed = agree_counts_and_every_run(ep, plan.counts, plan.rows(), plan.slot_runs, max_slots, L, "flat dispatch counts",
+                                                   this->options(), problem);
+    h.recv_counts = agreed.recv;
+    // Local slot l's rows: every source's run for l, by source.
+    std::vector<index_t> per_slot(static_cast<std::size_t>(L), 0);
+    for (auto const& lengths : agreed.recv_run_lengths)
+      for (int l = 0; l < L; ++l) per_slot[static_cast<std::size_t>(l)] += lengths[static_cast<std::size_t>(l)];
+    this->set_expert_rows(exec, h, per_slot, d);
+    Direct direct;
+    direct.expert_runs.assign(static_cast<std::size_t>(P), {});
+    std::vector<index_t> at(h.expert_offsets.begin(), h.expert_offsets.end() - 1);
+    for (int p = 0; p < P; ++p)
+      for (int l = 0; l < L; ++l) {
+        index_t const n = agreed.recv_run_lengths[static_cast<std::size_t>(p)][static_cast<std::size_t>(l)];
+        direct.expert_runs[static_cast<std::size_t>(p)].push_back({at[static_cast<std::size_t>(l)], n});
+        at[static_cast<std::size_t>(l)] += n;
+      }
+    index_t const n = Impl::total(agreed.recv);
+    h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", n);
+    RowSet<MemorySpace> rows{send.bytes, row_bytes_of(h.expert_rows), plan.slot_runs, direct.expert_runs};
+    rows.owners = h.expert_rows;
+    // Metadata in arrival order (by source, then send position): the same
+    // runs, one after the other.
+    h.flight = this->transport_->start_alltoallv(
+        exec, ep, {rows, record_rows(meta, h.arrived_meta, plan.slot_runs, consecutive_runs(agreed.recv_run_lengths))}, plan.counts,
+        agreed.recv, "flat dispatch rows", this->options());
+    h.ledger = this->new_ledger(d);
+    StageLedger stage{"all-to-all", ep.name()};
+    auto const runs = runs_per_peer(plan.slot_runs);
+    add_sends(stage, plan.counts, ep.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta), &runs);
+    h.ledger.dispatch.stages.push_back(stage);
+    h.ledger.dispatch.useful_rows = n;
+    h.state = std::move(direct);
+    h.pending = true;
+    h.seconds = timer.seconds();
+    return h;
+  }
+
+  /// \brief combine_start of a direct dispatch: the expert outputs go back
+  /// from the runs their rows arrived in, into the return buffer's slot runs.
+  template <class T>
+  void combine_start_direct(ExecutionSpace const& exec, DispatchHandle<T, MemorySpace>& h, Direct const& direct,
+                            RowMatrix<T, MemorySpace> const& expert_out, PayloadBuffer<MemorySpace> const& returned,
+                            std::string const& local_problem) {
+    auto const& ep = this->comms_->ep();
+    int const d = static_cast<int>(h.expert_rows.extent(1));
+    Kokkos::Timer timer;
+    RowMatrix<T, MemorySpace> out = expert_out;
+    std::string problem = local_problem.empty() ? this->combine_problem(h, expert_out, returned) : local_problem;
+    if (problem.empty() && expert_out.extent(0) > 1 && static_cast<std::size_t>(expert_out.stride(0)) != expert_out.extent(1)) problem = problem_of([&] {
+      // Rows with gaps between them: one contiguous copy to send from.
+      out = this->work_.template matrix<T>(exec, "expert_out", static_cast<index_t>(expert_out.extent(0)), expert_out.extent(1));
+      Kokkos::deep_copy(exec, out, expert_out);
+    });
+    auto const agreed = agree_counts(ep, h.recv_counts, h.repack.rows(), &h.plan.counts, "flat combine counts", this->options(), problem);
+    h.combine_started = true;
+    RowSet<MemorySpace> rows{row_bytes_of(out), returned.bytes, direct.expert_runs, h.plan.slot_runs};
+    rows.owners = out;
+    h.flight = this->transport_->start_alltoallv(exec, ep, {rows}, h.recv_counts, agreed.recv, "flat combine rows", this->options());
+    this->set_combine_format(h.ledger, d);
+    StageLedger stage{"all-to-all (reverse)", ep.name()};
+    auto const runs = runs_per_peer(direct.expert_runs);
+    add_sends(stage, h.recv_counts, ep.peer_order(), this->me_, this->node_of_rank_, returned.row_bytes(), 0, &runs);
+    h.ledger.combine.stages = {stage};
+    h.ledger.combine.useful_rows = h.plan.rows();
+    h.seconds = timer.seconds();
+  }
+
+  /// The bytes of a matrix whose rows are contiguous.
+  template <class T>
+  static typename RowSet<MemorySpace>::rows_view row_bytes_of(RowMatrix<T, MemorySpace> const& m) {
+    return typename RowSet<MemorySpace>::rows_view(reinterpret_cast<unsigned char*>(m.data()), m.extent(0), m.extent(1) * sizeof(T));
+  }
 };
 
 template <>

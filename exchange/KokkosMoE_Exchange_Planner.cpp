@@ -90,18 +90,42 @@ std::vector<ByteLedger> plan_flat(PlanInput const& in) {
   int const N = topo.size();
   auto const nor = nodes_of(topo);
   auto const c = count_matrix(routes, N);
+  // Rows straight to their expert-major places (FlatExchange::Direct): one
+  // run per (source, destination's local slot) with rows, both ways.
+  bool const direct = in.config.receive_into_experts && in.config.payload == in.rows && in.config.return_payload == in.rows;
+  Matrix runs(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 1));
+  if (direct)
+    for (int s = 0; s < N; ++s) {
+      auto const& f = routes[static_cast<std::size_t>(s)];
+      std::vector<std::vector<bool>> used(static_cast<std::size_t>(N));
+      auto& row = runs[static_cast<std::size_t>(s)];
+      std::fill(row.begin(), row.end(), 0);
+      for (std::size_t a = 0; a < f.dest.size(); ++a) {
+        auto& u = used[static_cast<std::size_t>(f.dest[a])];
+        auto const l = static_cast<std::size_t>(f.local_slot[a]);
+        if (u.size() <= l) u.resize(l + 1, false);
+        if (!u[l]) ++row[static_cast<std::size_t>(f.dest[a])];
+        u[l] = true;
+      }
+    }
   std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::flat, in));
   std::string const ep = "kmoe-ep";
   for (int me = 0; me < N; ++me) {
     auto& l = out[static_cast<std::size_t>(me)];
-    std::vector<std::int64_t> recv(static_cast<std::size_t>(N));
-    for (int s = 0; s < N; ++s) recv[static_cast<std::size_t>(s)] = c[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
+    std::vector<std::int64_t> recv(static_cast<std::size_t>(N)), recv_runs(static_cast<std::size_t>(N));
+    for (int s = 0; s < N; ++s) {
+      recv[static_cast<std::size_t>(s)] = c[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
+      recv_runs[static_cast<std::size_t>(s)] = runs[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
+    }
     StageLedger d{"all-to-all", ep};
-    add_sends(d, in_order(c[static_cast<std::size_t>(me)], layout.ep_order), layout.ep_order, me, nor, l.row_bytes, l.meta_row_bytes);
+    auto const send_runs = in_order(runs[static_cast<std::size_t>(me)], layout.ep_order);
+    add_sends(d, in_order(c[static_cast<std::size_t>(me)], layout.ep_order), layout.ep_order, me, nor, l.row_bytes, l.meta_row_bytes,
+              &send_runs);
     l.dispatch.stages.push_back(d);
     for (auto x : recv) l.dispatch.useful_rows += x;
     StageLedger b{"all-to-all (reverse)", ep};
-    add_sends(b, in_order(recv, layout.ep_order), layout.ep_order, me, nor, l.combine_row_bytes, 0);
+    auto const back_runs = in_order(recv_runs, layout.ep_order);
+    add_sends(b, in_order(recv, layout.ep_order), layout.ep_order, me, nor, l.combine_row_bytes, 0, &back_runs);
     l.combine.stages.push_back(b);
     l.combine.useful_rows = static_cast<std::int64_t>(routes[static_cast<std::size_t>(me)].dest.size());
   }

@@ -39,6 +39,10 @@ struct PlanInput {
   Placement const& placement;      ///< where their slots live
   ExchangeConfig const& config;    ///< payloads, pooled-wave shape
   int width;                       ///< hidden width d
+  /// The rows' own type (the exchange's T: fp32 for float, bf16 for
+  /// bf16_t): with payloads of that type the flat exchange moves rows
+  /// straight to and from their expert-major places (ExchangeConfig::receive_into_experts).
+  PayloadType rows = PayloadType::fp32;
 };
 
 /// \brief Per-rank ledgers (index = global rank) of the flat exchange.

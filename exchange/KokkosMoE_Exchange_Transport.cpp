@@ -246,7 +246,8 @@ namespace {
 /// of runs and their lengths, zero-padded.
 AgreedCounts agree_counts_impl(Topology::Communicator const& comm, std::vector<index_t> const& send_split, index_t rows_available,
                                std::vector<index_t> const* expected_recv, RowRuns const* send_runs, int max_runs, char const* what,
-                               TransportOptions const& options, std::string const& local_problem) {
+                               TransportOptions const& options, std::string const& local_problem, int exact_runs = -1) {
+  bool const every_run = exact_runs >= 0;  // empty runs announced too
   int const P = comm.size();
   int const me = comm.my_slot();
   std::size_t const width = send_runs ? 2 + static_cast<std::size_t>(max_runs) : 1;
@@ -264,7 +265,7 @@ AgreedCounts agree_counts_impl(Topology::Communicator const& comm, std::vector<i
     for (std::size_t p = 0; os.tellp() == 0 && p < send_runs->size(); ++p) {
       index_t total = 0, n = 0;
       for (auto const& [first, len] : (*send_runs)[p])
-        if (len > 0) {
+        if (len > 0 || every_run) {
           total += len;
           ++n;
         }
@@ -282,7 +283,7 @@ AgreedCounts agree_counts_impl(Topology::Communicator const& comm, std::vector<i
       o[0] = send_split[p];
       if (!send_runs) continue;
       for (auto const& [first, len] : (*send_runs)[p])
-        if (len > 0) o[2 + o[1]++] = len;
+        if (len > 0 || every_run) o[2 + o[1]++] = len;
     }
   std::vector<Impl::Pending> pending;
   int const n = static_cast<int>(width);
@@ -306,13 +307,16 @@ AgreedCounts agree_counts_impl(Topology::Communicator const& comm, std::vector<i
       index_t sum = 0;
       bool ok = i[1] >= 0 && i[1] <= max_runs;
       for (std::int64_t k = 0; ok && k < i[1]; ++k) {
-        ok = i[2 + k] > 0;
+        ok = i[2 + k] > 0 || (every_run && i[2 + k] == 0);
         lengths.push_back(i[2 + k]);
         sum += i[2 + k];
       }
       if (!ok || sum != i[0])
         os << "rank " << comm.global_rank(p) << " (slot " << p << ") announced " << i[0] << " rows in " << i[1]
            << " runs that do not add up; ";
+      else if (every_run && i[1] != exact_runs)
+        os << "rank " << comm.global_rank(p) << " (slot " << p << ") announced " << i[1] << " runs, this rank expects "
+           << exact_runs << "; ";
       agreed.recv_run_lengths.push_back(std::move(lengths));
     }
     if (total != rows_available)
@@ -348,6 +352,14 @@ AgreedCounts agree_counts_and_runs(Topology::Communicator const& comm, std::vect
                                    index_t rows_available, RowRuns const& send_runs, int max_runs, char const* what,
                                    TransportOptions const& options) {
   return agree_counts_impl(comm, send_split, rows_available, nullptr, &send_runs, max_runs, what, options, {});
+}
+
+AgreedCounts agree_counts_and_every_run(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
+                                        index_t rows_available, RowRuns const& send_runs, int max_runs, int expected_runs,
+                                        char const* what, TransportOptions const& options, std::string const& local_problem) {
+  KOKKOSMOE_REQUIRE(expected_runs >= 0, what << ": " << expected_runs << " runs expected from every peer");
+  return agree_counts_impl(comm, send_split, rows_available, nullptr, &send_runs, max_runs, what, options, local_problem,
+                           expected_runs);
 }
 
 bool transport_available(TransportKind kind) { return transport_unavailable_reason(kind).empty(); }

@@ -410,6 +410,17 @@ AgreedCounts agree_counts_and_runs(Topology::Communicator const& comm, std::vect
                                    index_t rows_available, RowRuns const& send_runs, int max_runs, char const* what,
                                    TransportOptions const& options = {});
 
+/// \brief agree_counts_and_runs where runs are positions, not only lengths:
+/// every run listed for a peer is announced, empty ones too (at most
+/// max_runs), and every peer must announce exactly expected_runs runs to
+/// this rank, so that the k-th announced run means the same thing to both
+/// (the flat exchange's run k of a peer is its k-th local expert slot).
+/// A local_problem (or any mismatch) fails the agreement on every rank.
+AgreedCounts agree_counts_and_every_run(Topology::Communicator const& comm, std::vector<index_t> const& send_split,
+                                        index_t rows_available, RowRuns const& send_runs, int max_runs, int expected_runs,
+                                        char const* what, TransportOptions const& options = {},
+                                        std::string const& local_problem = {});
+
 }  // namespace Exchange
 }  // namespace KokkosMoE
 

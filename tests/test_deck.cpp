@@ -109,6 +109,13 @@ TEST_CASE("the exchange transport is a deck choice; one this build lacks is refu
   CHECK(Setup::exchange_config(staged).transport_options().stage_through_host);
   CHECK(staged.resolved().find("stage_through_host = true") != std::string::npos);
   KMOE_DECK_ERROR("[exchange]\nstage_through_host = 1\n", 1, "key 'exchange.stage_through_host'");
+  // Rows straight to the expert rows (flat): on by default, off by the deck.
+  CHECK(Setup::exchange_config(mpi).receive_into_experts);
+  CHECK(mpi.resolved().find("receive_into_experts = true") != std::string::npos);
+  auto const copies = parse_layer_deck("d.toml", "[exchange]\nreceive_into_experts = false\n", 1);
+  CHECK_FALSE(Setup::exchange_config(copies).receive_into_experts);
+  CHECK(copies.resolved().find("receive_into_experts = false") != std::string::npos);
+  KMOE_DECK_ERROR("[exchange]\nreceive_into_experts = \"yes\"\n", 1, "key 'exchange.receive_into_experts'");
   std::string const nccl = "[exchange]\nalgorithm = \"hierarchical\"\ntransport = \"nccl\"\n";
   if (Exchange::transport_available(Exchange::TransportKind::nccl)) {
     CHECK(parse_layer_deck("d.toml", nccl, 2).exchange.transport == Exchange::TransportKind::nccl);

@@ -265,6 +265,7 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
           auto const fp32 = exchange_config(PayloadType::fp32);
           FlatExchange<> flat(comms, placement, fp32);
           HierarchicalExchange<> hier(comms, placement, fp32);
+          REQUIRE(flat.receives_into_experts<float>());
           auto rf = run_step(flat, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
           auto rh = run_step(hier, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
           auto of = to_host_vector(rf.out), oh = to_host_vector(rh.out);
@@ -272,6 +273,27 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
           CHECK(kmoe_test::same_bits(of, ref));
           CHECK(kmoe_test::same_bits(oh, ref));
           CHECK(rh.arrival_ids == rf.arrival_ids);
+          {
+            // Rows through one message per peer and the repack copies: the
+            // same arrival and expert-major orders, the same bits.
+            auto copies = fp32;
+            copies.receive_into_experts = false;
+            FlatExchange<> fc(comms, placement, copies);
+            REQUIRE_FALSE(fc.receives_into_experts<float>());
+            auto rc = run_step(fc, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
+            INFO("flat with repack copies");
+            CHECK(kmoe_test::same_bits(to_host_vector(rc.out), ref));
+            CHECK(rc.arrival_ids == rf.arrival_ids);
+            CHECK(rc.expert_major_ids == rf.expert_major_ids);
+            CHECK(rc.slot_counts == rf.slot_counts);
+            // The expert rows themselves, bit for bit (the step above
+            // would not see rows swapped within one slot).
+            Exec exec;
+            auto const [rp, plan] = plans_of(comms, placement, routes, rank, bases[rank], nor[rank]);
+            auto hd = flat.dispatch(exec, rp, plan, hidden);
+            auto hc = fc.dispatch(exec, rp, plan, hidden);
+            CHECK(kmoe_test::same_bits(to_host_vector(hd.expert_rows), to_host_vector(hc.expert_rows)));
+          }
           // Pooled waves with factors large enough for no drops.
           auto pc = fp32;
           pc.waves = 2;
@@ -669,6 +691,23 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
       FlatExchange<> flat(comms, placement, c);
       auto rf = run_step(flat, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
       CHECK(untimed(rf.ledger) == untimed(planned_of(Algorithm::flat)[static_cast<std::size_t>(rank)]));
+      {
+        // One message per peer and the repack copies; and the rows as
+        // another type than the payload (the planner told so), which
+        // needs them too.
+        auto copies = c;
+        copies.receive_into_experts = false;
+        copies.algorithm = Algorithm::flat;
+        FlatExchange<> fc(comms, placement, copies);
+        auto rc = run_step(fc, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+        auto const copies_plan = plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, copies, width})[static_cast<std::size_t>(rank)];
+        auto const with_copies = untimed(copies_plan);
+        CHECK(untimed(rc.ledger) == with_copies);
+        auto other_rows = c;
+        other_rows.algorithm = Algorithm::flat;
+        CHECK(untimed(plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, other_rows, width, PayloadType::bf16})[static_cast<std::size_t>(rank)]) ==
+              with_copies);
+      }
       HierarchicalExchange<> hier(comms, placement, c);
       auto rh = run_step(hier, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
       CHECK(untimed(rh.ledger) == untimed(planned_of(Algorithm::hierarchical)[static_cast<std::size_t>(rank)]));
@@ -922,6 +961,40 @@ TEST_CASE("counts and run lengths agreed in one round: bad announcements fail ev
   };
   fails(counts, 3 * P, 1, "at most 1 may be announced");
   fails(short_counts, 3 * P - 1, 2, "the runs for peer slot 0 hold 3 rows, its count is 2");
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_CASE("every run announced, empty ones too: positions agree, a wrong number of runs fails every rank", "[exchange][transport][errors]") {
+  Topology::CommunicatorSet comms = one_node_comms();
+  auto const& ep = comms.ep();
+  int const P = ep.size();
+  int const me = ep.my_slot();
+  // Three runs for every peer, the middle one empty and, for peer 0, the
+  // first one too.
+  std::vector<index_t> counts(static_cast<std::size_t>(P), 3);
+  RowRuns runs(static_cast<std::size_t>(P));
+  for (int p = 0; p < P; ++p) runs[static_cast<std::size_t>(p)] = {{3 * p, p == 0 ? 0 : 1}, {3 * p + 1, 0}, {3 * p + 1, p == 0 ? 3 : 2}};
+  for (int p = 0; p < P; ++p) counts[static_cast<std::size_t>(p)] = p == 0 ? 3 : 3;
+  auto const ok = agree_counts_and_every_run(ep, counts, 3 * P, runs, 3, 3, "every run");
+  REQUIRE(ok.recv_run_lengths.size() == static_cast<std::size_t>(P));
+  for (int p = 0; p < P; ++p)
+    CHECK(ok.recv_run_lengths[static_cast<std::size_t>(p)] == (me == 0 ? std::vector<index_t>{0, 0, 3} : std::vector<index_t>{1, 0, 2}));
+  // Rank 0 expects four runs from every peer: every rank fails, naming the call.
+  try {
+    agree_counts_and_every_run(ep, counts, 3 * P, runs, 4, me == 0 ? 4 : 3, "four runs");
+    FAIL("no error");
+  } catch (CollectiveError const& e) {
+    INFO(e.what());
+    CHECK(std::string(e.what()).find("announced 3 runs, this rank expects 4") != std::string::npos);
+    CHECK(std::string(e.what()).find("four runs") != std::string::npos);
+  }
+  // A local problem fails every rank before any count is trusted.
+  try {
+    agree_counts_and_every_run(ep, counts, 3 * P, runs, 3, 3, "with a problem", {}, me == P - 1 ? "the pack failed" : "");
+    FAIL("no error");
+  } catch (CollectiveError const& e) {
+    CHECK(std::string(e.what()).find("the pack failed") != std::string::npos);
+  }
   MPI_Barrier(MPI_COMM_WORLD);
 }
 

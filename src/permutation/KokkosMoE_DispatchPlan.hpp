@@ -33,6 +33,11 @@ struct DispatchPlan {
   std::vector<index_t> offsets;      ///< [P + 1] exclusive prefix, offsets[P] = rows
   Kokkos::View<index_t*, MemorySpace> perm;  ///< send position -> route index
   Kokkos::View<index_t*, MemorySpace> inv;   ///< route index -> send position
+  /// [P] per peer slot, its segment as one run (first send position, rows)
+  /// per physical slot of the peer's rank, in the rank's local slot order
+  /// (ascending slot id), empty runs included: what a receiver needs to put
+  /// each slot's rows straight into its expert-major place.
+  std::vector<std::vector<std::pair<index_t, index_t>>> slot_runs;
 
   int num_peers() const { return static_cast<int>(peer_order.size()); }
   index_t rows() const { return offsets.empty() ? 0 : offsets.back(); }
@@ -110,6 +115,10 @@ DispatchPlan<MS> make_dispatch_plan(Exec const& exec, RoutePlan<MS> const& route
     plan.counts[p] = h_off(first_key[p + 1]) - h_off(first_key[p]);
   }
   plan.offsets[P] = A;
+  plan.slot_runs.assign(static_cast<std::size_t>(P), {});
+  for (int p = 0; p < P; ++p)
+    for (int key = first_key[p]; key < first_key[p + 1]; ++key)
+      plan.slot_runs[static_cast<std::size_t>(p)].push_back({h_off(key), h_off(key + 1) - h_off(key)});
   return plan;
 }
 
