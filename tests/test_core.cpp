@@ -36,27 +36,40 @@ TEST_CASE("workspace: buffers are reused only when nobody else holds them", "[co
   float* const first = a.data();
   CHECK(a.extent(0) == 10);
   CHECK(a.extent(1) == 4);
-  // Held by `a`: the same label gives another allocation.
+  // Held by `a`: the same label gives another allocation, and the
+  // workspace keeps both.
   auto b = ws.matrix<float>(exec, "rows", 10, 4);
   CHECK(b.data() != first);
-  // Released: the buffer comes back, smaller requests included.
-  a = {};
   float* const second = b.data();
+  CHECK(ws.buffers("rows") == 2);
+  // Released: two requests in flight at once (a chunked step) get the
+  // same two buffers again, no third; smaller requests included.
+  a = {};
   b = {};
   auto c = ws.matrix<float>(exec, "rows", 6, 4);
-  CHECK(c.data() == second);
+  auto c2 = ws.matrix<float>(exec, "rows", 10, 4);
   CHECK(c.extent(0) == 6);
+  CHECK(std::set<float*>{c.data(), c2.data()} == std::set<float*>{first, second});
+  CHECK(ws.buffers("rows") == 2);
   c = {};
-  // Grow-only: a larger request reallocates, a smaller one reuses it after.
+  c2 = {};
+  // Grow-only: a larger request grows one buffer (the largest free), a
+  // smaller one reuses it after; the smallest free buffer that fits is taken.
   auto d = ws.matrix<float>(exec, "rows", 25, 4);
   float* const grown = d.data();
+  CHECK(ws.buffers("rows") == 2);
   d = {};
   auto e = ws.matrix<float>(exec, "rows", 12, 4);
   CHECK(e.data() == grown);
+  auto e2 = ws.matrix<float>(exec, "rows", 3, 4);
+  CHECK(e2.data() != grown);
+  CHECK(ws.buffers("rows") == 2);
   e = {};
+  e2 = {};
   // Another width or element type is another shape.
   auto f = ws.matrix<float>(exec, "rows", 12, 5);
   CHECK(f.extent(1) == 5);
+  CHECK(ws.buffers("rows") == 1);  // the free ones of the old shape went
   auto g = ws.vector<index_t>(exec, "ids", 7);
   CHECK(g.extent(0) == 7);
   CHECK(ws.size() == 2);

@@ -9,10 +9,15 @@
 /// them, which is expensive on every platform; reusing them makes repeated
 /// steps cheap. A buffer is reused only when the workspace holds its last
 /// reference (View use count), so a dispatch handle or any other object that
-/// keeps rows keeps them intact: the next request with that label gets a new
-/// allocation instead. The leading extent grows to the largest request; the
-/// trailing extents are part of the buffer's shape (a request with other
-/// trailing extents reallocates). Views come back uninitialised.
+/// keeps rows keeps them intact: a request with that label while it is held
+/// gets another buffer, and the workspace keeps both, so that steps with
+/// several of them in flight at once (a chunked schedule's chunks, waves)
+/// find theirs again next time instead of first-touching new memory. A
+/// request takes the smallest free buffer of its shape that is large enough,
+/// else grows the largest free one (leading extent: the largest request),
+/// else adds one. The trailing extents and the element type are part of a
+/// buffer's shape: free buffers of another shape under the label are
+/// dropped. Views come back uninitialised.
 
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
@@ -25,6 +30,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace KokkosMoE {
 
@@ -45,21 +51,45 @@ class Workspace {
     static_assert(std::is_same<typename V::memory_space, MemorySpace>::value, "Workspace::get: view of another memory space");
     static_assert(Compat::view_rank<V> == 1 || Compat::view_rank<V> == 2, "Workspace::get: rank-1 or rank-2 views");
     KOKKOSMOE_REQUIRE(n >= 0, "Workspace::get('" << label << "'): negative extent " << n);
-    auto& slot = buffers_[label];
-    V* held = std::any_cast<V>(&slot);
-    bool const same_shape = held && (Compat::view_rank<V> == 1 || held->extent(1) == n1);
-    if (!same_shape || static_cast<index_t>(held->extent(0)) < n || held->use_count() > 1) {
-      index_t const grow = same_shape ? Compat::max<index_t>(n, static_cast<index_t>(held->extent(0))) : n;
-      slot.reset();  // release before allocating: the peak is one buffer
-      V fresh = allocate<V>(exec, prefix_ + "::" + label, grow, n1);
-      slot = fresh;
-      held = std::any_cast<V>(&slot);
+    auto& pool = buffers_[label];
+    auto of_shape = [n1](Entry& e) -> V* {
+      V* v = std::any_cast<V>(&e.view);
+      return v && (Compat::view_rank<V> == 1 || v->extent(1) == n1) ? v : nullptr;
+    };
+    // Free buffers of another shape go.
+    for (std::size_t i = pool.size(); i-- > 0;)
+      if (!of_shape(pool[i]) && pool[i].use_count(pool[i].view) <= 1) pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
+    constexpr std::size_t none = static_cast<std::size_t>(-1);
+    std::size_t fit = none, grow = none;
+    for (std::size_t i = 0; i < pool.size(); ++i) {
+      V* v = of_shape(pool[i]);
+      if (!v || v->use_count() > 1) continue;
+      auto const have = static_cast<index_t>(v->extent(0));
+      if (have >= n) {
+        if (fit == none || have < static_cast<index_t>(of_shape(pool[fit])->extent(0))) fit = i;
+      } else if (grow == none || have > static_cast<index_t>(of_shape(pool[grow])->extent(0))) {
+        grow = i;
+      }
     }
+    if (fit == none) {
+      index_t extent = n;
+      if (grow != none) {
+        extent = Compat::max<index_t>(n, static_cast<index_t>(of_shape(pool[grow])->extent(0)));
+        pool[grow].view.reset();  // release before allocating: the peak is one buffer
+        fit = grow;
+      } else {
+        pool.emplace_back();
+        fit = pool.size() - 1;
+      }
+      pool[fit].view = allocate<V>(exec, prefix_ + "::" + label, extent, n1);
+      pool[fit].use_count = &use_count_of<V>;
+    }
+    V const& held = *of_shape(pool[fit]);
     using range = std::pair<index_t, index_t>;
     if constexpr (Compat::view_rank<V> == 1) {
-      return Kokkos::subview(*held, range(0, n));
+      return Kokkos::subview(held, range(0, n));
     } else {
-      return Kokkos::subview(*held, range(0, n), Kokkos::ALL);
+      return Kokkos::subview(held, range(0, n), Kokkos::ALL);
     }
   }
 
@@ -78,10 +108,26 @@ class Workspace {
   /// \brief Drops every buffer this workspace holds (views handed out stay valid).
   void clear() { buffers_.clear(); }
 
-  /// \brief Number of labelled buffers.
+  /// \brief Number of labels.
   std::size_t size() const { return buffers_.size(); }
 
+  /// \brief Number of buffers under a label (0 for an unknown one).
+  std::size_t buffers(std::string const& label) const {
+    auto const it = buffers_.find(label);
+    return it == buffers_.end() ? 0 : it->second.size();
+  }
+
  private:
+  /// One buffer and how to read its use count without knowing its type.
+  struct Entry {
+    std::any view;
+    long (*use_count)(std::any const&) = nullptr;
+  };
+  template <class V>
+  static long use_count_of(std::any const& a) {
+    return static_cast<long>(std::any_cast<V const&>(a).use_count());
+  }
+
   template <class V, class Exec>
   static V allocate(Exec const& exec, std::string const& label, index_t n, std::size_t n1) {
     if constexpr (Compat::view_rank<V> == 1) {
@@ -93,7 +139,7 @@ class Workspace {
   }
 
   std::string prefix_;
-  std::map<std::string, std::any> buffers_;
+  std::map<std::string, std::vector<Entry>> buffers_;
 };
 
 }  // namespace KokkosMoE
