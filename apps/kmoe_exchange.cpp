@@ -242,7 +242,8 @@ Outcome simulate_cluster(LayerDeck const& d, std::optional<Exchange::CostModel> 
   auto add = [&](std::string const& name, Exchange::Algorithm algorithm, Topology::CommLayout const& l) {
     auto c = config.exchange;
     c.algorithm = algorithm;
-    auto const per_rank = Exchange::plan_ledgers(Exchange::PlanInput{topo, l, routes, placement, c, d.model.hidden});
+    // Rows of fp32 (kmoe-exchange's layer), as the measured runs move them.
+    auto const per_rank = Exchange::plan_ledgers(Exchange::PlanInput{topo, l, routes, placement, c, d.model.hidden, PayloadType::fp32});
     AlgoResult r;
     r.name = name;
     r.ledger = Exchange::sum_ledgers(per_rank);
@@ -401,7 +402,8 @@ Outcome run_cluster(LayerDeck const& deck, Options const& opt, std::optional<Exc
         // The planner must predict this rank's ledger exactly.
         auto c = config.exchange;
         c.algorithm = algo;
-        auto const planned = Exchange::plan_ledgers(Exchange::PlanInput{topo, comms.layout(), routes, placement, c, deck.model.hidden});
+        auto const planned =
+            Exchange::plan_ledgers(Exchange::PlanInput{topo, comms.layout(), routes, placement, c, deck.model.hidden, PayloadType::fp32});
         auto measured = rec.ledger;
         for (auto* d : {&measured.dispatch, &measured.combine})
           for (auto& s : d->stages) s.seconds = 0;

@@ -16,7 +16,11 @@
 ///
 /// and their start/finish forms (dispatch_start -> handle in flight,
 /// dispatch_finish(exec, handle) -> delivered; combine_start,
-/// combine_finish), so that a schedule computes while rows move. An
+/// combine_finish), so that a schedule computes while rows move. Between a
+/// combine_start and its combine_finish the exchange may still read
+/// expert_out (the flat exchange sends the rows from where they are): the
+/// rows must not change meanwhile; a managed view may be dropped (the
+/// transfer keeps its allocation), an unmanaged one's memory must live on. An
 /// algorithm without its own start forms moves the rows in start and its
 /// finish only completes the handle; the MPI transport overlaps where MPI
 /// reads device buffers directly (host memory, CUDA-aware MPI), the NCCL

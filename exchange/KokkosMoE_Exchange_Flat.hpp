@@ -20,8 +20,9 @@
 /// then send position: the repack's order), and the combine sends the expert
 /// outputs back from those places into the return buffer's runs. The count
 /// agreement announces every run (empty ones too), so a receiver knows each
-/// run's slot before any row moves; the metadata arrives in arrival order,
-/// and the repack plan built from it is checked against the runs.
+/// run's slot before any row moves; the metadata arrives in arrival order
+/// (one message per peer), and the repack plan built from it is checked
+/// against the runs, row by row.
 
 #include <KokkosMoE_Exchange_Planner.hpp>
 #include <impl/KokkosMoE_Exchange_Common.hpp>
@@ -48,6 +49,9 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
   /// expert-major places (the handle's state), for its combine.
   struct Direct {
     RowRuns expert_runs;  ///< per source peer slot: one run of expert rows per local slot
+    /// The same runs by (source, slot): first arrival position (one more
+    /// entry: the arrivals) and first expert row, to check the repack plan.
+    std::vector<index_t> arrival_first, expert_first;
   };
 
   /// \brief Whether rows of type T go straight to and from the expert rows.
@@ -117,15 +121,30 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     Kokkos::Timer timer;
     KOKKOSMOE_REQUIRE(!h.delivered && h.pending.has_value(), "flat dispatch_finish: the handle is not a dispatch in flight");
     h.flight.finish();
-    if (std::any_cast<Direct>(&h.state)) {
+    if (Direct const* direct = std::any_cast<Direct>(&h.state)) {
       // The rows are in place; the repack plan (what the handle's users
-      // read) follows from the metadata and must match the announced runs.
+      // read) follows from the metadata and must put every row where its
+      // run put it.
       h.pending.reset();
       agree(ep.comm(), problem_of([&] {
               h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
-              KOKKOSMOE_REQUIRE(h.repack.slot_counts == h.expert_counts,
-                                "flat dispatch: the rows that arrived at rank " << this->me_
-                                                                               << " are for other slots than their senders announced");
+              index_t misplaced = 0;
+              int const K = static_cast<int>(direct->expert_first.size());
+              if (K > 0 && h.repack.rows() > 0) {
+                auto af = Impl::device_vector<MemorySpace>(direct->arrival_first, "KokkosMoE::FlatExchange::arrival_first");
+                auto ef = Impl::device_vector<MemorySpace>(direct->expert_first, "KokkosMoE::FlatExchange::expert_first");
+                auto inv = h.repack.inv;
+                Kokkos::parallel_reduce(
+                    "KokkosMoE::FlatExchange::check_runs", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, h.repack.rows()),
+                    KOKKOS_LAMBDA(index_t i, index_t & bad) {
+                      int const k = Impl::segment_of(af, K, i);
+                      if (inv(i) != ef(k) + (i - af(k))) ++bad;
+                    },
+                    misplaced);
+              }
+              KOKKOSMOE_REQUIRE(h.repack.slot_counts == h.expert_counts && misplaced == 0,
+                                "flat dispatch: " << misplaced << " rows that arrived at rank " << this->me_
+                                                  << " are for other slots than their senders announced");
             }),
             "flat dispatch repack", this->config_.watchdog_seconds);
       Compat::fence(exec, "KokkosMoE::FlatExchange::dispatch");
@@ -241,25 +260,30 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     Direct direct;
     direct.expert_runs.assign(static_cast<std::size_t>(P), {});
     std::vector<index_t> at(h.expert_offsets.begin(), h.expert_offsets.end() - 1);
+    index_t arrival = 0;
     for (int p = 0; p < P; ++p)
       for (int l = 0; l < L; ++l) {
         index_t const n = agreed.recv_run_lengths[static_cast<std::size_t>(p)][static_cast<std::size_t>(l)];
         direct.expert_runs[static_cast<std::size_t>(p)].push_back({at[static_cast<std::size_t>(l)], n});
+        direct.arrival_first.push_back(arrival);
+        direct.expert_first.push_back(at[static_cast<std::size_t>(l)]);
         at[static_cast<std::size_t>(l)] += n;
+        arrival += n;
       }
+    direct.arrival_first.push_back(arrival);
     index_t const n = Impl::total(agreed.recv);
     h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", n);
     RowSet<MemorySpace> rows{send.bytes, row_bytes_of(h.expert_rows), plan.slot_runs, direct.expert_runs};
     rows.owners = h.expert_rows;
-    // Metadata in arrival order (by source, then send position): the same
-    // runs, one after the other.
-    h.flight = this->transport_->start_alltoallv(
-        exec, ep, {rows, record_rows(meta, h.arrived_meta, plan.slot_runs, consecutive_runs(agreed.recv_run_lengths))}, plan.counts,
-        agreed.recv, "flat dispatch rows", this->options());
+    // Metadata in arrival order (by source, then send position): one
+    // message per peer.
+    h.flight = this->transport_->start_alltoallv(exec, ep, {rows, record_rows(meta, h.arrived_meta)}, plan.counts, agreed.recv,
+                                                 "flat dispatch rows", this->options());
     h.ledger = this->new_ledger(d);
     StageLedger stage{"all-to-all", ep.name()};
     auto const runs = runs_per_peer(plan.slot_runs);
-    add_sends(stage, plan.counts, ep.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta), &runs);
+    std::vector<std::int64_t> const one(static_cast<std::size_t>(P), 1);
+    add_sends(stage, plan.counts, ep.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta), &runs, &one);
     h.ledger.dispatch.stages.push_back(stage);
     h.ledger.dispatch.useful_rows = n;
     h.state = std::move(direct);

@@ -241,9 +241,12 @@ void check_inter_node_equal(ByteLedger const& flat, ByteLedger const& hier) {
 
 void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::vector<int> const& peer_global, int me,
                std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes,
-               std::vector<std::int64_t> const* runs) {
+               std::vector<std::int64_t> const* runs, std::vector<std::int64_t> const* meta_runs) {
   KOKKOSMOE_REQUIRE(rows.size() == peer_global.size(), "ledger: " << rows.size() << " counts for " << peer_global.size() << " peers");
   KOKKOSMOE_REQUIRE(!runs || runs->size() == rows.size(), "ledger: " << runs->size() << " run counts for " << rows.size() << " peers");
+  KOKKOSMOE_REQUIRE(!meta_runs || meta_runs->size() == rows.size(),
+                    "ledger: " << meta_runs->size() << " metadata run counts for " << rows.size() << " peers");
+  if (!meta_runs) meta_runs = runs;
   for (std::size_t p = 0; p < rows.size(); ++p) {
     if (rows[p] == 0) continue;
     int const g = peer_global[p];
@@ -256,7 +259,8 @@ void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::v
     x.payload_bytes += rows[p] * row_bytes;
     x.meta_bytes += rows[p] * meta_row_bytes;
     std::int64_t const n = runs ? (*runs)[p] : 1;
-    x.messages += transfer_messages(n, rows[p], row_bytes) + (meta_row_bytes > 0 ? transfer_messages(n, rows[p], meta_row_bytes) : 0);
+    std::int64_t const m = meta_runs ? (*meta_runs)[p] : 1;
+    x.messages += transfer_messages(n, rows[p], row_bytes) + (meta_row_bytes > 0 ? transfer_messages(m, rows[p], meta_row_bytes) : 0);
   }
 }
 

@@ -125,10 +125,11 @@ inline std::int64_t transfer_messages(std::int64_t runs, std::int64_t rows, std:
 /// \brief Adds one stage's moves to `stage` from this rank's perspective:
 /// rows[p] rows go to peer p (global rank peer_global[p]); me is the sender.
 /// runs[p] (when given) is the number of runs those rows travel in (see
-/// transfer_messages), 1 otherwise.
+/// transfer_messages), 1 otherwise; their metadata travels in meta_runs[p]
+/// runs where given, else in the same runs as the rows.
 void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::vector<int> const& peer_global, int me,
                std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes,
-               std::vector<std::int64_t> const* runs = nullptr);
+               std::vector<std::int64_t> const* runs = nullptr, std::vector<std::int64_t> const* meta_runs = nullptr);
 
 }  // namespace Exchange
 }  // namespace KokkosMoE

@@ -119,8 +119,9 @@ std::vector<ByteLedger> plan_flat(PlanInput const& in) {
     }
     StageLedger d{"all-to-all", ep};
     auto const send_runs = in_order(runs[static_cast<std::size_t>(me)], layout.ep_order);
+    std::vector<std::int64_t> const one(static_cast<std::size_t>(N), 1);  // metadata: one message per peer
     add_sends(d, in_order(c[static_cast<std::size_t>(me)], layout.ep_order), layout.ep_order, me, nor, l.row_bytes, l.meta_row_bytes,
-              &send_runs);
+              &send_runs, &one);
     l.dispatch.stages.push_back(d);
     for (auto x : recv) l.dispatch.useful_rows += x;
     StageLedger b{"all-to-all (reverse)", ep};

@@ -74,6 +74,14 @@ TEST_CASE("workspace: buffers are reused only when nobody else holds them", "[co
   CHECK(g.extent(0) == 7);
   CHECK(ws.size() == 2);
   CHECK_THROWS_WITH(ws.vector<int>(exec, "bad", -1), Catch::Matchers::Contains("negative extent"));
+  // An allocation that fails (new, or growing a free buffer) leaves the
+  // label usable: the next request gets a buffer.
+  index_t const huge = index_t(1) << 52;
+  CHECK_THROWS(ws.vector<double>(exec, "fails", huge));
+  CHECK(ws.vector<double>(exec, "fails", 5).extent(0) == 5);
+  CHECK_THROWS(ws.vector<double>(exec, "fails", huge));  // grows the free one: released first, then fails
+  CHECK(ws.buffers("fails") == 0);
+  CHECK(ws.vector<double>(exec, "fails", 7).extent(0) == 7);
 }
 
 namespace {

@@ -58,7 +58,8 @@ class Workspace {
     };
     // Free buffers of another shape go.
     for (std::size_t i = pool.size(); i-- > 0;)
-      if (!of_shape(pool[i]) && pool[i].use_count(pool[i].view) <= 1) pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
+      if (!of_shape(pool[i]) && (!pool[i].view.has_value() || pool[i].use_count(pool[i].view) <= 1))
+        pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
     constexpr std::size_t none = static_cast<std::size_t>(-1);
     std::size_t fit = none, grow = none;
     for (std::size_t i = 0; i < pool.size(); ++i) {
@@ -74,15 +75,14 @@ class Workspace {
     if (fit == none) {
       index_t extent = n;
       if (grow != none) {
+        // Release before allocating (the peak is one buffer); a failed
+        // allocation leaves the pool without it, never with a hole.
         extent = Compat::max<index_t>(n, static_cast<index_t>(of_shape(pool[grow])->extent(0)));
-        pool[grow].view.reset();  // release before allocating: the peak is one buffer
-        fit = grow;
-      } else {
-        pool.emplace_back();
-        fit = pool.size() - 1;
+        pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(grow));
       }
-      pool[fit].view = allocate<V>(exec, prefix_ + "::" + label, extent, n1);
-      pool[fit].use_count = &use_count_of<V>;
+      V fresh = allocate<V>(exec, prefix_ + "::" + label, extent, n1);
+      pool.push_back(Entry{std::move(fresh), &use_count_of<V>});
+      fit = pool.size() - 1;
     }
     V const& held = *of_shape(pool[fit]);
     using range = std::pair<index_t, index_t>;
@@ -105,7 +105,9 @@ class Workspace {
     return get<Kokkos::View<T*, MemorySpace>>(exec, label, n);
   }
 
-  /// \brief Drops every buffer this workspace holds (views handed out stay valid).
+  /// \brief Drops every buffer this workspace holds (views handed out stay
+  /// valid). A pool keeps as many buffers per label as were ever held at
+  /// once; this is how to give them back.
   void clear() { buffers_.clear(); }
 
   /// \brief Number of labels.

@@ -674,7 +674,7 @@ class MoELayer {
         Part* q = &part_of(name, 8);
         b.issue = [&, q] {
           x.combine_start(exec, q->handle, q->expert_out, chunks[static_cast<std::size_t>(q->chunk)].returned, q->problem);
-          q->expert_out = {};  // consumed: its rows are in the combine's send buffer
+          q->expert_out = {};  // the combine keeps what it still reads until combine_finish
         };
         b.complete = [&, q] {
           x.combine_finish(exec, q->handle);
