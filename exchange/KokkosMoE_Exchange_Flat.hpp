@@ -80,21 +80,14 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
   DispatchHandle<T, MemorySpace> dispatch_start(ExecutionSpace const& exec, RoutePlan<MemorySpace> const& routes,
                                                 DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden,
                                                 int wave = 0) {
+    if (receives_into_experts<T>()) return dispatch_start_direct(exec, routes, plan, hidden, wave);
     auto const& ep = this->comms_->ep();
     int const d = static_cast<int>(hidden.extent(1));
-    if (receives_into_experts<T>()) return dispatch_start_direct(exec, routes, plan, hidden, wave);
     Kokkos::Timer timer;
     auto h = this->template new_handle<T>(routes, plan, wave);
     PayloadBuffer<MemorySpace> send;
     Kokkos::View<RowMeta*, MemorySpace> meta;
-    // Local work first; its problems ride on the count agreement (point to
-    // point under the watchdog), so a problem fails every rank.
-    std::string const problem = problem_of([&] {
-      this->check_dispatch(h, hidden, waves());
-      send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, plan.rows());
-      meta = this->work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
-      pack(exec, routes, plan, hidden, send, meta);
-    });
+    std::string const problem = pack_local(exec, h, routes, plan, hidden, false, send, meta);
     auto const agreed = agree_counts(ep, plan.counts, plan.rows(), nullptr, "flat dispatch counts", this->options(), problem);
     h.recv_counts = agreed.recv;
     index_t const n = Impl::total(agreed.recv);
@@ -225,6 +218,24 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
   /// \brief The per-rank ledgers this algorithm would report (planner).
   static std::vector<ByteLedger> plan(PlanInput const& in) { return plan_flat(in); }
 
+  /// \brief A dispatch's local work first (checks, rows and metadata packed
+  /// in send order); the problem it returns rides on the count agreement
+  /// (point to point under the watchdog), so a problem fails every rank.
+  template <class T>
+  std::string pack_local(ExecutionSpace const& exec, DispatchHandle<T, MemorySpace>& h, RoutePlan<MemorySpace> const& routes,
+                         DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden, bool slot_runs,
+                         PayloadBuffer<MemorySpace>& send, Kokkos::View<RowMeta*, MemorySpace>& meta) {
+    int const P = this->comms_->ep().size();
+    return problem_of([&] {
+      this->check_dispatch(h, hidden, waves());
+      KOKKOSMOE_REQUIRE(!slot_runs || static_cast<int>(plan.slot_runs.size()) == P,
+                        "flat dispatch: the dispatch plan has slot runs for " << plan.slot_runs.size() << " of " << P << " peers");
+      send = payload_buffer(this->work_, exec, "send", this->config_.payload, static_cast<int>(hidden.extent(1)), plan.rows());
+      meta = this->work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
+      pack(exec, routes, plan, hidden, send, meta);
+    });
+  }
+
   /// \brief dispatch_start where rows land in their expert-major places
   /// (see the file's description).
   template <class T>
@@ -238,14 +249,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     auto h = this->template new_handle<T>(routes, plan, wave);
     PayloadBuffer<MemorySpace> send;
     Kokkos::View<RowMeta*, MemorySpace> meta;
-    std::string const problem = problem_of([&] {
-      this->check_dispatch(h, hidden, waves());
-      KOKKOSMOE_REQUIRE(static_cast<int>(plan.slot_runs.size()) == P,
-                        "flat dispatch: the dispatch plan has slot runs for " << plan.slot_runs.size() << " of " << P << " peers");
-      send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, plan.rows());
-      meta = this->work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
-      pack(exec, routes, plan, hidden, send, meta);
-    });
+    std::string const problem = pack_local(exec, h, routes, plan, hidden, true, send, meta);
     int max_slots = 0;
     for (int r = 0; r < this->placement_.num_ranks(); ++r) max_slots = std::max(max_slots, this->placement_.num_slots_of_rank(r));
     int const L = this->placement_.num_slots_of_rank(this->me_);
