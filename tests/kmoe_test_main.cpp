@@ -21,6 +21,13 @@
 #include <string>
 #include <vector>
 
+#if defined(__SANITIZE_ADDRESS__)
+// The tests check that a failed allocation is reported and leaves the library
+// usable; AddressSanitizer's allocator aborts on an impossible size unless it
+// is told to return null as the plain allocator does.
+extern "C" const char* __asan_default_options() { return "allocator_may_return_null=1"; }
+#endif
+
 int main(int argc, char* argv[]) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
