@@ -58,8 +58,7 @@ class Workspace {
     };
     // Free buffers of another shape go.
     for (std::size_t i = pool.size(); i-- > 0;)
-      if (!of_shape(pool[i]) && (!pool[i].view.has_value() || pool[i].use_count(pool[i].view) <= 1))
-        pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
+      if (!of_shape(pool[i]) && pool[i].use_count(pool[i].view) <= 1) pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
     constexpr std::size_t none = static_cast<std::size_t>(-1);
     std::size_t fit = none, grow = none;
     for (std::size_t i = 0; i < pool.size(); ++i) {
