@@ -197,7 +197,13 @@ ByteLedger predict(CostModel const& model, Topology::Topology const& topo, Topol
         KOKKOSMOE_REQUIRE(dl.stages.size() == stages.size(), "cost model: rank " << r << " has " << dl.stages.size() << " stages, rank 0 "
                                                                                   << stages.size());
         auto const& st = dl.stages[s];
-        auto const [intra_peers, inter_peers] = counts ? count_message_peers(st.communicator, r, topo, layout) : std::pair<int, int>{0, 0};
+        auto [intra_peers, inter_peers] = counts ? count_message_peers(st.communicator, r, topo, layout) : std::pair<int, int>{0, 0};
+        for (auto const& extra : st.extra_count_rounds) {
+          if (!counts) break;
+          auto const more = count_message_peers(extra, r, topo, layout);
+          intra_peers += more.first;
+          inter_peers += more.second;
+        }
         double rank_t = 0, sent = 0;  // this rank's transport seconds and bytes it sends
         LinkCost const* cost[3] = {&model.same_rank, &model.intra_node, &model.inter_node};
         for (int c = 0; c < num_link_classes; ++c) {

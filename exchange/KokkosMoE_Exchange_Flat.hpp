@@ -47,19 +47,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
 
   /// \brief The runs of a dispatch whose rows went straight to their
   /// expert-major places (the handle's state), for its combine.
-  struct Direct {
-    RowRuns expert_runs;  ///< per source peer slot: one run of expert rows per local slot
-    /// The same runs by (source, slot): first arrival position (one more
-    /// entry: the arrivals) and first expert row, to check the repack plan.
-    std::vector<index_t> arrival_first, expert_first;
-  };
-
-  /// \brief Whether rows of type T go straight to and from the expert rows.
-  template <class T>
-  bool receives_into_experts() const {
-    return this->config_.receive_into_experts && KokkosMoE::Impl::same_representation<T>(this->config_.payload) &&
-           KokkosMoE::Impl::same_representation<T>(this->config_.return_payload);
-  }
+  using Direct = typename base::DirectRuns;
 
   /// \brief Collective over the EP communicator: the routes of `routes`
   /// (send order of `plan`) to the ranks holding their slots; returns the
@@ -80,14 +68,14 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
   DispatchHandle<T, MemorySpace> dispatch_start(ExecutionSpace const& exec, RoutePlan<MemorySpace> const& routes,
                                                 DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden,
                                                 int wave = 0) {
-    if (receives_into_experts<T>()) return dispatch_start_direct(exec, routes, plan, hidden, wave);
+    if (this->template receives_into_experts<T>()) return dispatch_start_direct(exec, routes, plan, hidden, wave);
     auto const& ep = this->comms_->ep();
     int const d = static_cast<int>(hidden.extent(1));
     Kokkos::Timer timer;
     auto h = this->template new_handle<T>(routes, plan, wave);
     PayloadBuffer<MemorySpace> send;
     Kokkos::View<RowMeta*, MemorySpace> meta;
-    std::string const problem = pack_local(exec, h, routes, plan, hidden, false, send, meta);
+    std::string const problem = this->pack_local(exec, h, routes, plan, hidden, waves(), false, send, meta);
     auto const agreed = agree_counts(ep, plan.counts, plan.rows(), nullptr, "flat dispatch counts", this->options(), problem);
     h.recv_counts = agreed.recv;
     index_t const n = Impl::total(agreed.recv);
@@ -119,27 +107,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
       // read) follows from the metadata and must put every row where its
       // run put it.
       h.pending.reset();
-      agree(ep.comm(), problem_of([&] {
-              h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
-              index_t misplaced = 0;
-              int const K = static_cast<int>(direct->expert_first.size());
-              if (K > 0 && h.repack.rows() > 0) {
-                auto af = Impl::device_vector<MemorySpace>(direct->arrival_first, "KokkosMoE::FlatExchange::arrival_first");
-                auto ef = Impl::device_vector<MemorySpace>(direct->expert_first, "KokkosMoE::FlatExchange::expert_first");
-                auto inv = h.repack.inv;
-                Kokkos::parallel_reduce(
-                    "KokkosMoE::FlatExchange::check_runs", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, h.repack.rows()),
-                    KOKKOS_LAMBDA(index_t i, index_t & bad) {
-                      int const k = Impl::segment_of(af, K, i);
-                      if (inv(i) != ef(k) + (i - af(k))) ++bad;
-                    },
-                    misplaced);
-              }
-              KOKKOSMOE_REQUIRE(h.repack.slot_counts == h.expert_counts && misplaced == 0,
-                                "flat dispatch: " << misplaced << " rows that arrived at rank " << this->me_
-                                                  << " are for other slots than their senders announced");
-            }),
-            "flat dispatch repack", this->config_.watchdog_seconds);
+      this->check_direct_repack(exec, h, *direct);
       Compat::fence(exec, "KokkosMoE::FlatExchange::dispatch");
       h.seconds += timer.seconds();
       h.ledger.dispatch.stages.back().seconds = h.seconds;
@@ -218,24 +186,6 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
   /// \brief The per-rank ledgers this algorithm would report (planner).
   static std::vector<ByteLedger> plan(PlanInput const& in) { return plan_flat(in); }
 
-  /// \brief A dispatch's local work first (checks, rows and metadata packed
-  /// in send order); the problem it returns rides on the count agreement
-  /// (point to point under the watchdog), so a problem fails every rank.
-  template <class T>
-  std::string pack_local(ExecutionSpace const& exec, DispatchHandle<T, MemorySpace>& h, RoutePlan<MemorySpace> const& routes,
-                         DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden, bool slot_runs,
-                         PayloadBuffer<MemorySpace>& send, Kokkos::View<RowMeta*, MemorySpace>& meta) {
-    int const P = this->comms_->ep().size();
-    return problem_of([&] {
-      this->check_dispatch(h, hidden, waves());
-      KOKKOSMOE_REQUIRE(!slot_runs || static_cast<int>(plan.slot_runs.size()) == P,
-                        "flat dispatch: the dispatch plan has slot runs for " << plan.slot_runs.size() << " of " << P << " peers");
-      send = payload_buffer(this->work_, exec, "send", this->config_.payload, static_cast<int>(hidden.extent(1)), plan.rows());
-      meta = this->work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
-      pack(exec, routes, plan, hidden, send, meta);
-    });
-  }
-
   /// \brief dispatch_start where rows land in their expert-major places
   /// (see the file's description).
   template <class T>
@@ -249,35 +199,15 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     auto h = this->template new_handle<T>(routes, plan, wave);
     PayloadBuffer<MemorySpace> send;
     Kokkos::View<RowMeta*, MemorySpace> meta;
-    std::string const problem = pack_local(exec, h, routes, plan, hidden, true, send, meta);
-    int max_slots = 0;
-    for (int r = 0; r < this->placement_.num_ranks(); ++r) max_slots = std::max(max_slots, this->placement_.num_slots_of_rank(r));
+    std::string const problem = this->pack_local(exec, h, routes, plan, hidden, waves(), true, send, meta);
     int const L = this->placement_.num_slots_of_rank(this->me_);
-    auto const agreed = agree_counts_and_every_run(ep, plan.counts, plan.rows(), plan.slot_runs, max_slots, L, "flat dispatch counts",
-                                                   this->options(), problem);
+    auto const agreed = agree_counts_and_every_run(ep, plan.counts, plan.rows(), plan.slot_runs, this->max_slots_per_rank(), L,
+                                                   "flat dispatch counts", this->options(), problem);
     h.recv_counts = agreed.recv;
-    // Local slot l's rows: every source's run for l, by source.
-    std::vector<index_t> per_slot(static_cast<std::size_t>(L), 0);
-    for (auto const& lengths : agreed.recv_run_lengths)
-      for (int l = 0; l < L; ++l) per_slot[static_cast<std::size_t>(l)] += lengths[static_cast<std::size_t>(l)];
-    this->set_expert_rows(exec, h, per_slot, d);
-    Direct direct;
-    direct.expert_runs.assign(static_cast<std::size_t>(P), {});
-    std::vector<index_t> at(h.expert_offsets.begin(), h.expert_offsets.end() - 1);
-    index_t arrival = 0;
-    for (int p = 0; p < P; ++p)
-      for (int l = 0; l < L; ++l) {
-        index_t const n = agreed.recv_run_lengths[static_cast<std::size_t>(p)][static_cast<std::size_t>(l)];
-        direct.expert_runs[static_cast<std::size_t>(p)].push_back({at[static_cast<std::size_t>(l)], n});
-        direct.arrival_first.push_back(arrival);
-        direct.expert_first.push_back(at[static_cast<std::size_t>(l)]);
-        at[static_cast<std::size_t>(l)] += n;
-        arrival += n;
-      }
-    direct.arrival_first.push_back(arrival);
+    Direct direct = this->direct_layout(exec, h, agreed.recv_run_lengths, d);
     index_t const n = Impl::total(agreed.recv);
     h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", n);
-    RowSet<MemorySpace> rows{send.bytes, row_bytes_of(h.expert_rows), plan.slot_runs, direct.expert_runs};
+    RowSet<MemorySpace> rows{send.bytes, this->row_bytes_of(h.expert_rows), plan.slot_runs, direct.expert_runs};
     rows.owners = h.expert_rows;
     // Metadata in arrival order (by source, then send position): one
     // message per peer.
@@ -307,14 +237,10 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     Kokkos::Timer timer;
     RowMatrix<T, MemorySpace> out = expert_out;
     std::string problem = local_problem.empty() ? this->combine_problem(h, expert_out, returned) : local_problem;
-    if (problem.empty() && expert_out.extent(0) > 1 && static_cast<std::size_t>(expert_out.stride(0)) != expert_out.extent(1)) problem = problem_of([&] {
-      // Rows with gaps between them: one contiguous copy to send from.
-      out = this->work_.template matrix<T>(exec, "expert_out", static_cast<index_t>(expert_out.extent(0)), expert_out.extent(1));
-      Kokkos::deep_copy(exec, out, expert_out);
-    });
+    if (problem.empty()) problem = problem_of([&] { out = this->contiguous_rows(exec, expert_out); });
     auto const agreed = agree_counts(ep, h.recv_counts, h.repack.rows(), &h.plan.counts, "flat combine counts", this->options(), problem);
     h.combine_started = true;
-    RowSet<MemorySpace> rows{row_bytes_of(out), returned.bytes, direct.expert_runs, h.plan.slot_runs};
+    RowSet<MemorySpace> rows{this->row_bytes_of(out), returned.bytes, direct.expert_runs, h.plan.slot_runs};
     rows.owners = out;
     h.flight = this->transport_->start_alltoallv(exec, ep, {rows}, h.recv_counts, agreed.recv, "flat combine rows", this->options());
     this->set_combine_format(h.ledger, d);
@@ -326,11 +252,6 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     h.seconds = timer.seconds();
   }
 
-  /// The bytes of a matrix whose rows are contiguous.
-  template <class T>
-  static typename RowSet<MemorySpace>::rows_view row_bytes_of(RowMatrix<T, MemorySpace> const& m) {
-    return typename RowSet<MemorySpace>::rows_view(reinterpret_cast<unsigned char*>(m.data()), m.extent(0), m.extent(1) * sizeof(T));
-  }
 };
 
 template <>

@@ -34,6 +34,18 @@
 /// straight into the caller's return buffer (State::combine_pieces). The
 /// one self copy left is a relay's own transit rows, which come back
 /// through the reverse of stage 2 into the stage-1 layout.
+///
+/// Where both payloads are the rows' own type (ExchangeConfig::
+/// receive_into_experts), no rank copies a row into its expert rows at all:
+/// one count round over EP first tells every rank each source's rows per
+/// local slot (DeepEP's notify round), so the own node's rows go straight
+/// from the plan's order into their expert rows (one run per slot), transit
+/// rows go to the relay in runs of the plan's order, and stage 3 sends its
+/// metadata first, after which relay and final rank cut the same runs at
+/// every slot change and the rows land in their expert rows. The combine
+/// sends the results back from those places: no repack copy either way.
+/// The copies left are a rank's rows to itself (as in the flat exchange).
+///
 /// The start forms post the relay-to-relay stage (the inter-node one) and
 /// return: dispatch_start runs stage 1 and posts stage 2, dispatch_finish
 /// waits for it, runs stage 3 and restores the flat order; combine_start
@@ -47,6 +59,8 @@
 #include <impl/KokkosMoE_Exchange_Common.hpp>
 
 #include <functional>
+#include <memory>
+#include <numeric>
 #include <tuple>
 
 namespace KokkosMoE {
@@ -97,6 +111,14 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     /// the reverse of stage 2) and their runs in the return buffer, the
     /// only rows the combine copies to the rank itself.
     std::vector<std::pair<index_t, index_t>> self_transit_runs, self_transit_return_runs;
+    // Rows straight to and from their expert-major places (direct; see
+    // dispatch_start_direct): s1 is then the transit rows alone.
+    bool direct = false;
+    typename base::DirectRuns expert;        ///< per EP origin and local slot: its expert rows
+    std::vector<index_t> d1_send, d1_recv;   ///< rows for ranks of the own node, per node peer
+    RowRuns d1_send_runs, d1_recv_runs;      ///< their slot runs: plan positions / expert rows
+    RowRuns s3_fine_send_runs;               ///< stage 3 per (origin, slot): over the stage-2 arrivals
+    RowRuns s3_fine_recv_runs;               ///< the same runs in the expert rows
   };
 
   /// \brief What a dispatch in flight keeps until dispatch_finish.
@@ -105,11 +127,14 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     meta_view r1_meta;
     PayloadBuffer<MS> r2;  ///< stage-2 arrivals (relays), written when the flight finishes
     meta_view r2_meta;
+    std::shared_ptr<RowsInFlight> direct;  ///< direct: the own node's rows on their way to the expert rows
+    meta_view d1_meta;                     ///< direct: their metadata, by source
   };
   /// \brief What a combine in flight keeps until combine_finish.
   struct CombineFlight {
     PayloadBuffer<MS> fin;      ///< expert outputs in the final buffer's order
     PayloadBuffer<MS> s2_back;  ///< reverse stage-2 arrivals, written when the flight finishes
+    std::shared_ptr<RowsInFlight> direct;  ///< direct: the own node's results on their way back
   };
 
   HierarchicalExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},
@@ -132,6 +157,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     node_of_ = Impl::device_vector<MS>(this->node_of_rank_, "KokkosMoE::HierarchicalExchange::node_of");
     node_slot_ = Impl::device_vector<MS>(node_slot, "KokkosMoE::HierarchicalExchange::node_slot");
     group_slot_ = Impl::device_vector<MS>(group_slot, "KokkosMoE::HierarchicalExchange::group_slot");
+    group_slot_h_ = group_slot;
     ep_slot_ = Impl::device_vector<MS>(ep_slot, "KokkosMoE::HierarchicalExchange::ep_slot");
     my_node_ = topo.node_of(this->me_);
     my_relay_ = Topology::relay_for(topo, comms.layout(), this->me_, my_node_);
@@ -154,6 +180,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   template <class T>
   DispatchHandle<T, MS> dispatch_start(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
                                        RowMatrix<T, MS> const& hidden, int wave = 0) {
+    if (this->template receives_into_experts<T>()) return dispatch_start_direct(exec, routes, plan, hidden, wave);
     auto const& comms = *this->comms_;
     Kokkos::Timer timer;
     Impl::Lap<Exec> lap(exec);
@@ -191,6 +218,14 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     h.pending.reset();
     State& st = std::any_cast<State&>(h.state);
     h.ledger.dispatch.stages.back().seconds += lap();  // stage 2 completing
+    if (st.direct) {
+      finish_direct(exec, st, h, f);
+      h.ledger.dispatch.stages.back().seconds = lap();
+      h.seconds += timer.seconds();
+      h.ledger.dispatch.useful_rows = h.repack.rows();
+      h.delivered = true;
+      return;
+    }
     auto [r3, r3_meta] = relay_scatter(exec, st, f.r2, f.r2_meta, h.ledger);
     restore_flat_order(exec, st, h, f.r1, f.r1_meta, f.r2, r3, r3_meta);
     Compat::fence(exec, "KokkosMoE::HierarchicalExchange::dispatch");
@@ -219,11 +254,20 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     State const* st = std::any_cast<State>(&h.state);
     std::string problem = local_problem.empty() ? this->combine_problem(h, expert_out, returned) : local_problem;
     if (problem.empty() && !st) problem = "hierarchical combine: the handle carries no hierarchical stages";
+    RowMatrix<T, MS> out = expert_out;
+    if (problem.empty() && st->direct) problem = problem_of([&] { out = this->contiguous_rows(exec, expert_out); });
     agree(comms.ep().comm(), problem, "hierarchical combine", this->config_.watchdog_seconds);
     h.combine_started = true;
     int const d = static_cast<int>(h.expert_rows.extent(1));
     this->set_combine_format(h.ledger, d);
     h.ledger.combine.stages.clear();
+    if (st->direct) {
+      combine_start_direct(exec, *st, h, out, returned, lap);
+      h.pending_returned = returned;
+      h.ledger.combine.useful_rows = h.plan.rows();
+      h.seconds = timer.seconds();
+      return;
+    }
     // The reverse stages' buffers first: the expert outputs go straight
     // into them where their rows stayed on the way in.
     auto const type = this->config_.return_payload;
@@ -251,7 +295,10 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     h.pending.reset();
     State const& st = std::any_cast<State const&>(h.state);
     h.ledger.combine.stages.back().seconds += lap();  // reverse stage 2 completing
-    reverse_gather(exec, st, f.fin, f.s2_back, h.pending_returned, h.ledger);
+    if (st.direct)
+      reverse_gather_direct(exec, st, f, h.pending_returned, h.ledger);
+    else
+      reverse_gather(exec, st, f.fin, f.s2_back, h.pending_returned, h.ledger);
     h.pending_returned = {};
     Compat::fence(exec, "KokkosMoE::HierarchicalExchange::combine");
     h.ledger.combine.stages.back().seconds = lap();
@@ -382,13 +429,14 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto seg_d = Impl::device_vector<MS>(seg, "KokkosMoE::HierarchicalExchange::s1_segments");
     Kokkos::View<index_t*, MS> hist("KokkosMoE::HierarchicalExchange::s2_hist", static_cast<std::size_t>(S) * nodes);
     index_t misrouted = 0;
+    bool const direct = st.direct;  // then no row for this rank itself is transit either
     Kokkos::parallel_reduce(
         "KokkosMoE::HierarchicalExchange::stage2_runs", Kokkos::RangePolicy<Exec>(exec, 0, n1),
         KOKKOS_LAMBDA(index_t p, index_t & bad) {
           int const src = Impl::segment_of(seg_d, S, p);
           int const dst = r1_meta(p).dest_rank;
           Kokkos::atomic_add(&hist(static_cast<std::size_t>(src) * nodes + node_of(dst)), index_t(1));
-          if (node_of(dst) == my_node && dst != me) ++bad;
+          if (node_of(dst) == my_node && (direct || dst != me)) ++bad;
         },
         misrouted);
     auto const h = Impl::host_vector(hist);
@@ -444,13 +492,37 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   /// final rank are one run).
   std::pair<PayloadBuffer<MS>, meta_view> relay_scatter(Exec const& exec, State& st, PayloadBuffer<MS> const& r2,
                                                         meta_view const& r2_meta, ByteLedger& ledger) {
+    index_t const n2 = r2.rows();
+    scatter_runs(exec, st, r2_meta, n2);
+    auto const& node = this->comms_->node_local();
+    int const me = this->me_;
+    int const M = max_node_;
+    // Arrivals land after room for the rows kept from stage 1, so the final
+    // buffer is the receive buffer (restore_flat_order fills the front).
+    // At most one run per (relay peer, origin slot): relay peers are one per node.
+    // The relay's own rows stay in the stage-2 arrivals: the final gather
+    // reads them there.
+    auto out = exchange_stage(exec, node, st.s3, r2, r2_meta, n2, "s3", "hierarchical dispatch stage 3", nullptr, st.kept,
+                              &st.s3_runs, &st.s3_recv_runs, this->comms_->topology().num_nodes() * M, true, leave_self);
+    StageLedger sl{st.s3.name, node.name()};
+    sl.self_in_place = true;
+    auto const runs = runs_per_peer(st.s3_runs);
+    add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta), &runs);
+    add_scatter_relay_rows(sl, st, r2.row_bytes());
+    ledger.dispatch.stages.push_back(sl);
+    return out;
+  }
+
+  /// Stage 3's runs at a relay: the stage-2 arrivals of each (source relay,
+  /// origin, final rank) are one run (State::s3_runs, s3.send_counts);
+  /// rows for another node fail every rank.
+  void scatter_runs(Exec const& exec, State& st, meta_view const& r2_meta, index_t n2) {
     auto const& comms = *this->comms_;
     auto const& node = comms.node_local();
     int const me = this->me_;
     int const my_node = my_node_;
     auto node_of = node_of_;
     auto group_slot = group_slot_;
-    index_t const n2 = r2.rows();
     int const S = node.size();
     int const M = max_node_;
     int const R = static_cast<int>(st.s2.recv_counts.size());  // relay peers (0 for ranks that are not relays)
@@ -496,24 +568,16 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
           at += c;
         }
     }
-    // Arrivals land after room for the rows kept from stage 1, so the final
-    // buffer is the receive buffer (restore_flat_order fills the front).
-    // At most one run per (relay peer, origin slot): relay peers are one per node.
-    // The relay's own rows stay in the stage-2 arrivals: the final gather
-    // reads them there.
-    auto out = exchange_stage(exec, node, st.s3, r2, r2_meta, n2, "s3", "hierarchical dispatch stage 3", nullptr, st.kept,
-                              &st.s3_runs, &st.s3_recv_runs, this->comms_->topology().num_nodes() * M, true, leave_self);
-    StageLedger sl{st.s3.name, node.name()};
-    sl.self_in_place = true;
-    auto const runs = runs_per_peer(st.s3_runs);
-    add_sends(sl, st.s3.send_counts, node.peer_order(), me, this->node_of_rank_, r2.row_bytes(), sizeof(RowMeta), &runs);
+  }
+
+  /// Stage 3's rows to other ranks are relay traffic.
+  void add_scatter_relay_rows(StageLedger& sl, State const& st, std::int64_t row_bytes) const {
+    auto const& node = this->comms_->node_local();
     std::int64_t moved = 0;
     for (int p = 0; p < node.size(); ++p)
-      if (node.global_rank(p) != me) moved += st.s3.send_counts[p];
+      if (node.global_rank(p) != this->me_) moved += st.s3.send_counts[p];
     sl.relay_rows += moved;
-    sl.relay_bytes += moved * (r2.row_bytes() + static_cast<std::int64_t>(sizeof(RowMeta)));
-    ledger.dispatch.stages.push_back(sl);
-    return out;
+    sl.relay_bytes += moved * (row_bytes + static_cast<std::int64_t>(sizeof(RowMeta)));
   }
 
   /// Final rows: stage-1 rows kept here (stage 2's last bucket, in its send
@@ -538,21 +602,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       std::vector<std::pair<index_t, index_t>> const front{{0, st.kept}};
       Impl::copy_self_rows(exec, as_rows(fin_meta), front, as_rows(r1_meta), st.kept_runs);
     }
-    auto ep_slot = ep_slot_;
-    int const P = comms.ep().size();
-    auto keyc = this->work_.template vector<int>(exec, "keyc", nf);
-    Kokkos::parallel_for(
-        "KokkosMoE::HierarchicalExchange::origin_keys", Kokkos::RangePolicy<Exec>(exec, 0, nf),
-        KOKKOS_LAMBDA(index_t p) { keyc(p) = ep_slot(fin_meta(p).origin_rank); });
-    st.canonical_from = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::canonical_from"), nf);
-    index_view origin_offsets("KokkosMoE::Hier::origin_offsets", P + 1);
-    stable_counting_sort(exec, keyc, P, st.canonical_from, origin_offsets, "KokkosMoE::HierarchicalExchange::canonical");
+    sort_by_origin(exec, st, h, fin_meta, nf);
     auto cf = st.canonical_from;
-    h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", nf);
-    gather_records(exec, fin_meta, cf, h.arrived_meta, "KokkosMoE::HierarchicalExchange::canonical_meta");
-    auto const ho = Impl::host_vector(origin_offsets);
-    h.recv_counts.resize(static_cast<std::size_t>(P));
-    for (int p = 0; p < P; ++p) h.recv_counts[p] = ho[p + 1] - ho[p];
     agree(comms.ep().comm(), problem_of([&] {
             set_final_pieces(st);  // checks the own rows against their return runs: a failure fails every rank
             h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
@@ -773,14 +824,373 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto const runs = runs_per_peer(st.s1_back_runs);
     add_sends(sl, s1.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, fin.row_bytes(), 0, &runs);
     ledger.combine.stages.push_back(sl);
-    // The reverse stages move the same relay rows as their dispatch mirrors
-    // (attributed to this rank's dispatch role; sums over ranks agree).
+    mirror_relay_rows(ledger, fin.row_bytes());
+  }
+
+  // Rows straight to and from their expert-major places (both payloads the
+  // rows' own type; ExchangeConfig::receive_into_experts).
+
+  /// \brief dispatch_start where every row lands in its expert-major place.
+  /// One count round over EP comes first (every source's rows per rank and
+  /// local slot, all ranks at once), so each rank knows where every row it
+  /// will receive goes before any row moves. Stage 1 sends the own node's
+  /// rows straight into their expert rows (one run per slot, as the flat
+  /// exchange does) and the transit rows to the relay from the plan's order
+  /// (one run per destination rank, by destination node and its node-local
+  /// slot: the order stages 2 and 3 forward them in); stage 2 is posted.
+  template <class T>
+  DispatchHandle<T, MS> dispatch_start_direct(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
+                                              RowMatrix<T, MS> const& hidden, int wave) {
+    auto const& comms = *this->comms_;
+    auto const& ep = comms.ep();
+    auto const& node = comms.node_local();
+    Kokkos::Timer timer;
+    Impl::Lap<Exec> lap(exec);
+    auto h = this->template new_handle<T>(routes, plan, wave);
+    int const d = static_cast<int>(hidden.extent(1));
+    h.ledger = this->new_ledger(d);
+    PayloadBuffer<MS> send;
+    meta_view meta;
+    // Rows in the plan's order, but the rank's own rows (and, at a relay,
+    // its own transit rows): those are packed straight where they arrive.
+    bool const own_relay = my_relay_ == this->me_;
+    std::string const problem = problem_of([&] {
+      this->check_dispatch(h, hidden, waves());
+      KOKKOSMOE_REQUIRE(static_cast<int>(plan.slot_runs.size()) == ep.size(),
+                        "hierarchical dispatch: the dispatch plan has slot runs for " << plan.slot_runs.size() << " of " << ep.size()
+                                                                                      << " peers");
+      send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, plan.rows());
+      meta = this->work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
+      pack_meta(exec, routes, plan, meta);
+      auto perm = plan.perm;
+      auto token = routes.token;
+      auto dest = routes.dest_rank;
+      auto node_of = node_of_;
+      int const me = this->me_, my_node = my_node_;
+      gather_rows(
+          exec, hidden,
+          KOKKOS_LAMBDA(index_t p)->index_t {
+            int const r = dest(perm(p));
+            return r == me || (own_relay && node_of(r) != my_node) ? index_t(-1) : index_t(token(perm(p)));
+          },
+          send, "KokkosMoE::HierarchicalExchange::pack");
+    });
+    int const L = this->placement_.num_slots_of_rank(this->me_);
+    auto const agreed = agree_counts_and_every_run(ep, plan.counts, plan.rows(), plan.slot_runs, this->max_slots_per_rank(), L,
+                                                   "hierarchical dispatch counts", this->options(), problem);
+    h.recv_counts = agreed.recv;
+    State st;
+    st.direct = true;
+    st.expert = this->direct_layout(exec, h, agreed.recv_run_lengths, d);
+    int const S = node.size();
+    auto const Su = static_cast<std::size_t>(S);
+    // The own node's rows: per node peer, the plan's slot runs into the
+    // peer's expert rows; their metadata one message per peer.
+    st.d1_send.assign(Su, 0);
+    st.d1_recv.assign(Su, 0);
+    st.d1_send_runs.assign(Su, {});
+    st.d1_recv_runs.assign(Su, {});
+    RowRuns meta_send(Su);
+    std::vector<std::vector<index_t>> meta_lengths(Su);
+    for (int k = 0; k < S; ++k) {
+      auto const e = static_cast<std::size_t>(ep.slot_of(node.global_rank(k)));
+      st.d1_send[k] = plan.counts[e];
+      st.d1_send_runs[k] = plan.slot_runs[e];
+      st.d1_recv[k] = agreed.recv[e];
+      st.d1_recv_runs[k] = st.expert.expert_runs[e];
+      meta_send[k] = {{plan.offsets[e], plan.counts[e]}};
+      meta_lengths[k] = {agreed.recv[e]};
+    }
+    // Transit rows: to the relay, one run per destination rank.
+    int const relay = node.slot_of(my_relay_);
+    st.s1 = StageRecord<MS>{};
+    st.s1.name = "gather to relay + node-local direct";
+    st.s1.comm = 1;
+    st.s1.send_counts.assign(Su, 0);
+    st.s1_return_runs.assign(Su, {});
+    std::vector<std::pair<std::pair<int, int>, int>> far;  // ((destination node, its node-local slot), EP peer slot)
+    for (int e = 0; e < ep.size(); ++e) {
+      auto const g = static_cast<std::size_t>(ep.global_rank(e));
+      if (this->node_of_rank_[g] != my_node_ && plan.counts[e] > 0) far.push_back({{this->node_of_rank_[g], group_slot_h_[g]}, e});
+    }
+    std::sort(far.begin(), far.end());
+    for (auto const& [key, e] : far) {
+      st.s1_return_runs[static_cast<std::size_t>(relay)].push_back({plan.offsets[e], plan.counts[e]});
+      st.s1.send_counts[static_cast<std::size_t>(relay)] += plan.counts[e];
+    }
+    index_t const nt = st.s1.send_counts[static_cast<std::size_t>(relay)];
+    st.s1.input_rows = nt;
+    auto const agreed1 = agree_counts_and_runs(node, st.s1.send_counts, nt, st.s1_return_runs, comms.topology().size(),
+                                               "hierarchical dispatch stage 1 counts", this->options());
+    st.s1.recv_counts = agreed1.recv;
+    st.s1_back_runs = consecutive_runs(agreed1.recv_run_lengths);
+    index_t const n1 = Impl::total(st.s1.recv_counts);
+    Flight f;
+    f.r1 = payload_buffer(this->work_, exec, "s1_recv", this->config_.payload, d, n1);
+    f.r1_meta = this->work_.template vector<RowMeta>(exec, "s1_recv_meta", n1);
+    f.d1_meta = this->work_.template vector<RowMeta>(exec, "d1_recv_meta", Impl::total(st.d1_recv));
+    pack_straight(exec, routes, plan, hidden, st.d1_send_runs[static_cast<std::size_t>(node.my_slot())],
+                  st.d1_recv_runs[static_cast<std::size_t>(node.my_slot())], this->row_bytes_of(h.expert_rows),
+                  "KokkosMoE::HierarchicalExchange::pack_own");
+    if (own_relay) {
+      index_t at = 0;
+      for (int k = 0; k < node.my_slot(); ++k) at += st.s1.recv_counts[static_cast<std::size_t>(k)];
+      auto const& runs = st.s1_return_runs[static_cast<std::size_t>(node.my_slot())];
+      std::vector<std::pair<index_t, index_t>> places;
+      for (auto const& [first, n] : runs) {
+        places.push_back({at, n});
+        at += n;
+      }
+      pack_straight(exec, routes, plan, hidden, runs, places, f.r1.bytes, "KokkosMoE::HierarchicalExchange::pack_transit");
+    }
+    RowSet<MS> rows{send.bytes, this->row_bytes_of(h.expert_rows), st.d1_send_runs, st.d1_recv_runs, /*self_in_place=*/true};
+    rows.owners = h.expert_rows;
+    f.direct = std::make_shared<RowsInFlight>(this->transport_->start_alltoallv(
+        exec, node, {rows, record_rows(meta, f.d1_meta, meta_send, consecutive_runs(meta_lengths))}, st.d1_send, st.d1_recv,
+        "hierarchical dispatch stage 1 direct rows", this->options()));
+    this->transport_->alltoallv(exec, node,
+                                {RowSet<MS>{send.bytes, f.r1.bytes, st.s1_return_runs, st.s1_back_runs, /*self_in_place=*/true},
+                                 record_rows(meta, f.r1_meta, st.s1_return_runs, st.s1_back_runs)},
+                                st.s1.send_counts, st.s1.recv_counts, "hierarchical dispatch stage 1 rows", this->options());
+    StageLedger sl{st.s1.name, node.name()};
+    sl.self_in_place = true;
+    sl.extra_count_rounds = {ep.name()};
+    auto const druns = runs_per_peer(st.d1_send_runs);
+    std::vector<std::int64_t> const one(Su, 1);
+    add_sends(sl, st.d1_send, node.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta), &druns, &one);
+    auto const truns = runs_per_peer(st.s1_return_runs);
+    add_sends(sl, st.s1.send_counts, node.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta), &truns);
+    if (my_relay_ != this->me_) {
+      sl.relay_rows += nt;
+      sl.relay_bytes += nt * (send.row_bytes() + static_cast<std::int64_t>(sizeof(RowMeta)));
+    }
+    sl.seconds = lap();
+    h.ledger.dispatch.stages.push_back(sl);
+    std::tie(f.r2, f.r2_meta) = relay_to_relay(exec, st, f.r1, f.r1_meta, h.ledger, lap, &h.flight);
+    h.state = std::move(st);
+    h.pending = std::move(f);
+    h.seconds = timer.seconds();
+    return h;
+  }
+
+  /// Rows of plan positions runs[i] packed from hidden straight into rows
+  /// places[i] of dst (runs and places pairwise of one length), in one pass.
+  template <class T>
+  void pack_straight(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan, RowMatrix<T, MS> const& hidden,
+                     std::vector<std::pair<index_t, index_t>> const& runs, std::vector<std::pair<index_t, index_t>> const& places,
+                     typename RowSet<MS>::rows_view const& dst, char const* label) {
+    // Non-empty pieces by place: first place row, then first plan position.
+    std::vector<index_t> at, from;
+    for (std::size_t i = 0; i < runs.size(); ++i)
+      if (runs[i].second > 0) {
+        at.push_back(places[i].first);
+        from.push_back(runs[i].first);
+        at.push_back(places[i].first + runs[i].second);
+        from.push_back(-1);
+      }
+    if (at.empty()) return;
+    // Places of one rank's pieces ascend except across slots; sort the
+    // boundaries so a binary search finds each row's piece.
+    std::vector<std::size_t> order(at.size());
+    std::iota(order.begin(), order.end(), std::size_t(0));
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return at[a] < at[b] || (at[a] == at[b] && from[a] < 0 && from[b] >= 0);
+    });
+    std::vector<index_t> a2, f2;
+    for (auto i : order) {
+      a2.push_back(at[i]);
+      f2.push_back(from[i]);
+    }
+    auto piece_at = Impl::device_vector<MS>(a2, "KokkosMoE::HierarchicalExchange::piece_at");
+    auto piece_from = Impl::device_vector<MS>(f2, "KokkosMoE::HierarchicalExchange::piece_from");
+    int const K = static_cast<int>(a2.size());
+    index_t const lo = a2.front(), hi = a2.back();
+    auto perm = plan.perm;
+    auto token = routes.token;
+    PayloadBuffer<MS> rows;
+    rows.type = this->config_.payload;
+    rows.width = static_cast<int>(hidden.extent(1));
+    rows.bytes = Kokkos::subview(dst, std::pair<index_t, index_t>(lo, hi), Kokkos::ALL);
+    gather_rows(
+        exec, hidden,
+        KOKKOS_LAMBDA(index_t q)->index_t {
+          index_t const x = q + lo;
+          int const k = Impl::segment_of(piece_at, K, x);
+          index_t const f = piece_from(k);
+          return f < 0 ? index_t(-1) : index_t(token(perm(f + (x - piece_at(k)))));
+        },
+        rows, label);
+  }
+
+  /// \brief The rest of a direct dispatch, stage 2 arrived: stage 3 sends
+  /// the metadata first (one run per origin and final rank); both sides
+  /// then split those runs where the slot changes (an origin's rows for one
+  /// rank are in slot order), the relay over its stage-2 arrivals and the
+  /// final rank over what arrived, so each piece is one origin's rows for
+  /// one local slot and goes straight to its expert rows. The arrival
+  /// metadata in the flat order, and the repack plan checked against the
+  /// runs, follow.
+  template <class T>
+  void finish_direct(Exec const& exec, State& st, DispatchHandle<T, MS>& h, Flight const& f) {
+    auto const& comms = *this->comms_;
+    auto const& ep = comms.ep();
+    auto const& node = comms.node_local();
+    int const S = node.size();
+    f.direct->finish();  // the own node's rows
+    index_t const n2 = f.r2.rows();
+    scatter_runs(exec, st, f.r2_meta, n2);
+    auto const agreed = agree_counts_and_runs(node, st.s3.send_counts, n2, st.s3_runs, comms.topology().num_nodes() * max_node_,
+                                              "hierarchical dispatch stage 3 counts", this->options());
+    st.s3.recv_counts = agreed.recv;
+    st.s3_recv_runs = consecutive_runs(agreed.recv_run_lengths);
+    index_t const nd = Impl::total(st.d1_recv), n3 = Impl::total(st.s3.recv_counts);
+    auto fin_meta = this->work_.template vector<RowMeta>(exec, "final_meta", nd + n3);
+    meta_view const r3_meta = Kokkos::subview(fin_meta, std::pair<index_t, index_t>(nd, nd + n3));
+    this->transport_->alltoallv(exec, node, {record_rows(f.r2_meta, r3_meta, st.s3_runs, st.s3_recv_runs)}, st.s3.send_counts,
+                                st.s3.recv_counts, "hierarchical dispatch stage 3 metadata", this->options());
+    st.s3_fine_send_runs = split_at_slots(n2 > 0 ? Impl::host_vector(f.r2_meta) : std::vector<RowMeta>{}, st.s3_runs);
+    std::vector<RowMeta> const arrived = n3 > 0 ? Impl::host_vector(r3_meta) : std::vector<RowMeta>{};
+    RowRuns const pieces = split_at_slots(arrived, st.s3_recv_runs);
+    agree(ep.comm(), problem_of([&] {
+            auto const& placement = this->placement_;
+            st.s3_fine_recv_runs.assign(static_cast<std::size_t>(S), {});
+            for (int k = 0; k < S; ++k)
+              for (auto const& [first, n] : pieces[static_cast<std::size_t>(k)]) {
+                RowMeta const& m = arrived[static_cast<std::size_t>(first)];
+                bool const mine = m.slot >= 0 && m.slot < placement.num_slots() && m.dest_rank == this->me_ &&
+                                  placement.slots()[static_cast<std::size_t>(m.slot)].rank == this->me_ && m.origin_rank >= 0 &&
+                                  m.origin_rank < comms.topology().size();
+                KOKKOSMOE_REQUIRE(mine, "hierarchical dispatch: relay " << node.global_rank(k) << " forwarded to rank " << this->me_
+                                                                        << " rows for slot " << m.slot << " of rank " << m.dest_rank);
+                auto const& run = st.expert.expert_runs[static_cast<std::size_t>(ep.slot_of(m.origin_rank))]
+                                                       [static_cast<std::size_t>(placement.local_index(m.slot))];
+                KOKKOSMOE_REQUIRE(run.second == n, "hierarchical dispatch: " << n << " rows of rank " << m.origin_rank << " for slot "
+                                                                             << m.slot << " arrived at rank " << this->me_
+                                                                             << " together, it announced " << run.second);
+                st.s3_fine_recv_runs[static_cast<std::size_t>(k)].push_back({run.first, n});
+              }
+          }),
+          "hierarchical dispatch stage 3 runs", this->config_.watchdog_seconds);
+    RowSet<MS> rows{f.r2.bytes, this->row_bytes_of(h.expert_rows), st.s3_fine_send_runs, st.s3_fine_recv_runs};
+    rows.owners = h.expert_rows;
+    this->transport_->alltoallv(exec, node, {rows}, st.s3.send_counts, st.s3.recv_counts, "hierarchical dispatch stage 3 rows",
+                                this->options());
+    StageLedger sl{st.s3.name, node.name()};
+    auto const fine = runs_per_peer(st.s3_fine_send_runs);
+    auto const coarse = runs_per_peer(st.s3_runs);
+    add_sends(sl, st.s3.send_counts, node.peer_order(), this->me_, this->node_of_rank_, f.r2.row_bytes(), sizeof(RowMeta), &fine, &coarse);
+    add_scatter_relay_rows(sl, st, f.r2.row_bytes());
+    h.ledger.dispatch.stages.push_back(sl);
+    // The own node's metadata in front of the stage-3 arrivals, then the flat order.
+    if (nd > 0) Kokkos::deep_copy(exec, Kokkos::subview(fin_meta, std::pair<index_t, index_t>(0, nd)), f.d1_meta);
+    sort_by_origin(exec, st, h, fin_meta, nd + n3);
+    this->check_direct_repack(exec, h, st.expert);
+  }
+
+  /// Runs cut wherever the origin or the slot changes (meta: the rows'
+  /// metadata on the host), per peer, in order.
+  static RowRuns split_at_slots(std::vector<RowMeta> const& meta, RowRuns const& runs) {
+    RowRuns out(runs.size());
+    for (std::size_t k = 0; k < runs.size(); ++k)
+      for (auto const& [first, n] : runs[k]) {
+        index_t at = first;
+        for (index_t i = first + 1; i <= first + n; ++i) {
+          if (i < first + n) {
+            RowMeta const& a = meta[static_cast<std::size_t>(i - 1)];
+            RowMeta const& b = meta[static_cast<std::size_t>(i)];
+            if (a.slot == b.slot && a.origin_rank == b.origin_rank) continue;
+          }
+          out[k].push_back({at, i - at});
+          at = i;
+        }
+      }
+    return out;
+  }
+
+  /// combine_start of a direct dispatch: the transit rows' results go from
+  /// their expert rows back into the relays' stage-2 arrival layout
+  /// (reverse of stage 3), the own node's results straight from their
+  /// expert rows into the origins' return buffers (posted: they wait for
+  /// nothing from other nodes), and the reverse of stage 2 is posted.
+  template <class T>
+  void combine_start_direct(Exec const& exec, State const& st, DispatchHandle<T, MS>& h, RowMatrix<T, MS> const& out,
+                            PayloadBuffer<MS> const& returned, Impl::Lap<Exec>& lap) {
+    auto const& node = this->comms_->node_local();
+    int const d = static_cast<int>(out.extent(1));
+    auto const type = this->config_.return_payload;
+    auto const bytes = this->row_bytes_of(out);
+    auto s2_in_back = payload_buffer(this->work_, exec, "s2_in_back", type, d, st.s3.input_rows);
+    agree_counts(node, st.s3.recv_counts, Impl::total(st.s3.recv_counts), &st.s3.send_counts, "hierarchical combine stage 3 counts",
+                 this->options());
+    RowSet<MS> back3{bytes, s2_in_back.bytes, st.s3_fine_recv_runs, st.s3_fine_send_runs};
+    back3.owners = out;
+    this->transport_->alltoallv(exec, node, {back3}, st.s3.recv_counts, st.s3.send_counts, "hierarchical combine stage 3 rows",
+                                this->options());
+    StageLedger c3{"relay gather (reverse of relay scatter)", node.name()};
+    auto const runs3 = runs_per_peer(st.s3_fine_recv_runs);
+    add_sends(c3, st.s3.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, s2_in_back.row_bytes(), 0, &runs3);
+    c3.seconds = lap();
+    h.ledger.combine.stages.push_back(c3);
+    // The own node's results: their counts are the dispatch's, agreed over EP.
+    RowSet<MS> back1{bytes, returned.bytes, st.d1_recv_runs, st.d1_send_runs};
+    back1.owners = out;
+    auto direct = std::make_shared<RowsInFlight>(this->transport_->start_alltoallv(
+        exec, node, {back1}, st.d1_recv, st.d1_send, "hierarchical combine stage 1 direct rows", this->options()));
+    auto s1_back = payload_buffer(this->work_, exec, "s1_recv_back", type, d, Impl::total(st.s1.recv_counts));
+    reverse_relay(exec, st, s2_in_back, s1_back, h.ledger, lap, &h.flight);
+    h.pending = CombineFlight{{}, s1_back, direct};
+  }
+
+  /// Reverse of stage 1 of a direct dispatch: relays return the transit
+  /// rows' results into the origins' return buffers (the plan's runs); the
+  /// own node's results, posted by combine_start, complete.
+  void reverse_gather_direct(Exec const& exec, State const& st, CombineFlight const& f, PayloadBuffer<MS> const& returned,
+                             ByteLedger& ledger) {
+    auto const& node = this->comms_->node_local();
+    agree_counts(node, st.s1.recv_counts, Impl::total(st.s1.recv_counts), &st.s1.send_counts, "hierarchical combine stage 1 counts",
+                 this->options());
+    this->transport_->alltoallv(exec, node, {RowSet<MS>{f.s2_back.bytes, returned.bytes, st.s1_back_runs, st.s1_return_runs}},
+                                st.s1.recv_counts, st.s1.send_counts, "hierarchical combine stage 1 rows", this->options());
+    f.direct->finish();
+    StageLedger c1{"return from relay + node-local direct", node.name()};
+    auto const druns = runs_per_peer(st.d1_recv_runs);
+    add_sends(c1, st.d1_recv, node.peer_order(), this->me_, this->node_of_rank_, returned.row_bytes(), 0, &druns);
+    auto const truns = runs_per_peer(st.s1_back_runs);
+    add_sends(c1, st.s1.recv_counts, node.peer_order(), this->me_, this->node_of_rank_, returned.row_bytes(), 0, &truns);
+    ledger.combine.stages.push_back(c1);
+    mirror_relay_rows(ledger, returned.row_bytes());
+  }
+
+  /// The reverse stages move the same relay rows as their dispatch mirrors
+  /// (attributed to this rank's dispatch role; sums over ranks agree).
+  static void mirror_relay_rows(ByteLedger& ledger, std::int64_t row_bytes) {
     auto const& dl = ledger.dispatch.stages;
     auto& cl = ledger.combine.stages;
     for (std::size_t i = 0; i < cl.size() && i < dl.size(); ++i) {
       cl[i].relay_rows = dl[dl.size() - 1 - i].relay_rows;
-      cl[i].relay_bytes = cl[i].relay_rows * fin.row_bytes();
+      cl[i].relay_bytes = cl[i].relay_rows * row_bytes;
     }
+  }
+
+  /// The final buffer's metadata (nf rows) in the flat arrival order: a
+  /// stable sort on the origin's EP peer slot (State::canonical_from),
+  /// into h.arrived_meta, with the rows per origin.
+  template <class T>
+  void sort_by_origin(Exec const& exec, State& st, DispatchHandle<T, MS>& h, meta_view const& fin_meta, index_t nf) {
+    auto ep_slot = ep_slot_;
+    int const P = this->comms_->ep().size();
+    auto keyc = this->work_.template vector<int>(exec, "keyc", nf);
+    Kokkos::parallel_for(
+        "KokkosMoE::HierarchicalExchange::origin_keys", Kokkos::RangePolicy<Exec>(exec, 0, nf),
+        KOKKOS_LAMBDA(index_t p) { keyc(p) = ep_slot(fin_meta(p).origin_rank); });
+    st.canonical_from = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::canonical_from"), nf);
+    index_view origin_offsets("KokkosMoE::Hier::origin_offsets", P + 1);
+    stable_counting_sort(exec, keyc, P, st.canonical_from, origin_offsets, "KokkosMoE::HierarchicalExchange::canonical");
+    h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", nf);
+    gather_records(exec, fin_meta, st.canonical_from, h.arrived_meta, "KokkosMoE::HierarchicalExchange::canonical_meta");
+    auto const ho = Impl::host_vector(origin_offsets);
+    h.recv_counts.resize(static_cast<std::size_t>(P));
+    for (int p = 0; p < P; ++p) h.recv_counts[p] = ho[p + 1] - ho[p];
   }
 
   /// Stable sort of a stage's rows by destination key; the record's send
@@ -874,6 +1284,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
 
  private:
   Kokkos::View<int*, MS> node_of_, node_slot_, ep_slot_, group_slot_;
+  std::vector<int> group_slot_h_;
   int max_node_ = 1;  ///< ranks of the largest node
   int my_node_ = -1;
   int my_relay_ = -1;

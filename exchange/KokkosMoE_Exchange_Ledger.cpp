@@ -72,6 +72,7 @@ json direction_json(DirectionLedger const& d) {
                           {"padding_rows", s.padding_rows},
                           {"header_rows", s.header_rows},
                           {"self_in_place", s.self_in_place},
+                          {"extra_count_rounds", s.extra_count_rounds},
                           {"seconds", s.seconds}});
   }
   json totals;

@@ -56,6 +56,11 @@ struct StageLedger {
   /// The same-rank rows are written where they arrive (or read where they
   /// are): they count as delivered, but nothing copies them.
   bool self_in_place = false;
+  /// Communicators of count rounds the stage runs besides the one over its
+  /// own (each a count message to every peer): a hierarchical dispatch that
+  /// receives into the expert rows agrees every rank's slot counts over EP
+  /// in its first stage.
+  std::vector<std::string> extra_count_rounds;
   double seconds = 0;             ///< wall time of the stage on this rank (max over ranks once reduced); 0 when planned
 
   ClassCounts total() const;

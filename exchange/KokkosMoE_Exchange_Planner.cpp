@@ -49,6 +49,31 @@ std::vector<Flow> flows_of(PlanInput const& in) {
   return f;
 }
 
+/// Whether rows go straight to and from their expert-major places (both
+/// payloads the rows' own type).
+bool receives_into_experts(PlanInput const& in) {
+  return in.config.receive_into_experts && in.config.payload == in.rows && in.config.return_payload == in.rows;
+}
+
+/// Per (source, destination rank): the destination's local slots the
+/// source has rows for (one run each where rows go to their expert-major places).
+Matrix slot_run_matrix(std::vector<Flow> const& routes, int N) {
+  Matrix runs(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 0));
+  for (int s = 0; s < N; ++s) {
+    auto const& f = routes[static_cast<std::size_t>(s)];
+    std::vector<std::vector<bool>> used(static_cast<std::size_t>(N));
+    auto& row = runs[static_cast<std::size_t>(s)];
+    for (std::size_t a = 0; a < f.dest.size(); ++a) {
+      auto& u = used[static_cast<std::size_t>(f.dest[a])];
+      auto const l = static_cast<std::size_t>(f.local_slot[a]);
+      if (u.size() <= l) u.resize(l + 1, false);
+      if (!u[l]) ++row[static_cast<std::size_t>(f.dest[a])];
+      u[l] = true;
+    }
+  }
+  return runs;
+}
+
 std::vector<int> nodes_of(Topology::Topology const& topo) {
   std::vector<int> n(static_cast<std::size_t>(topo.size()));
   for (int r = 0; r < topo.size(); ++r) n[static_cast<std::size_t>(r)] = topo.node_of(r);
@@ -92,22 +117,9 @@ std::vector<ByteLedger> plan_flat(PlanInput const& in) {
   auto const c = count_matrix(routes, N);
   // Rows straight to their expert-major places (FlatExchange::Direct): one
   // run per (source, destination's local slot) with rows, both ways.
-  bool const direct = in.config.receive_into_experts && in.config.payload == in.rows && in.config.return_payload == in.rows;
-  Matrix runs(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 1));
-  if (direct)
-    for (int s = 0; s < N; ++s) {
-      auto const& f = routes[static_cast<std::size_t>(s)];
-      std::vector<std::vector<bool>> used(static_cast<std::size_t>(N));
-      auto& row = runs[static_cast<std::size_t>(s)];
-      std::fill(row.begin(), row.end(), 0);
-      for (std::size_t a = 0; a < f.dest.size(); ++a) {
-        auto& u = used[static_cast<std::size_t>(f.dest[a])];
-        auto const l = static_cast<std::size_t>(f.local_slot[a]);
-        if (u.size() <= l) u.resize(l + 1, false);
-        if (!u[l]) ++row[static_cast<std::size_t>(f.dest[a])];
-        u[l] = true;
-      }
-    }
+  Matrix const runs = receives_into_experts(in)
+                          ? slot_run_matrix(routes, N)
+                          : Matrix(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 1));
   std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::flat, in));
   std::string const ep = "kmoe-ep";
   for (int me = 0; me < N; ++me) {
@@ -212,6 +224,25 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
       l = d;
     }
   }
+  // Rows straight to and from their expert-major places
+  // (HierarchicalExchange::dispatch_start_direct): the own node's rows one
+  // run per (source, destination's local slot) both ways, their metadata one
+  // message per peer; transit rows to the relay one run per destination
+  // rank (payload and metadata alike, both ways); stage 3's payload one run
+  // per (origin, local slot) both ways, its metadata one run per origin.
+  bool const direct = receives_into_experts(in);
+  Matrix const slot_runs = direct ? slot_run_matrix(routes, N) : Matrix{};
+  Matrix fine3(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 0));
+  std::vector<std::int64_t> far_runs(static_cast<std::size_t>(N), 0);
+  if (direct)
+    for (int s = 0; s < N; ++s)
+      for (int d = 0; d < N; ++d) {
+        int const b = nor[static_cast<std::size_t>(d)];
+        if (b == nor[static_cast<std::size_t>(s)] || c[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)] == 0) continue;
+        ++far_runs[static_cast<std::size_t>(s)];
+        int const r2 = layout.relays[static_cast<std::size_t>(b)][static_cast<std::size_t>(rail_of(s))];
+        fine3[static_cast<std::size_t>(r2)][static_cast<std::size_t>(d)] += slot_runs[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)];
+      }
   std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::hierarchical, in));
   for (int me = 0; me < N; ++me) {
     auto& l = out[static_cast<std::size_t>(me)];
@@ -231,8 +262,36 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
     // Rows for the own rank are packed where they arrive (stage 1), read
     // where they are (stage 3) and written there (its reverse): no copy.
     StageLedger d1{"gather to relay + node-local direct", node_name};
-    d1.self_in_place = true;
-    add_sends(d1, in_order(s1[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes);
+    d1.self_in_place = true;  // the own rows are packed where they arrive
+    // Where rows go straight to their expert rows, the own node's rows and
+    // the transit rows are two transfers.
+    std::vector<std::int64_t> own(group.size(), 0), own_runs(group.size(), 0), own_back(group.size(), 0),
+        own_back_runs(group.size(), 0), far(group.size(), 0), far_back(group.size(), 0), far_out_runs(group.size(), 0),
+        far_back_runs(group.size(), 0);
+    for (std::size_t k = 0; direct && k < group.size(); ++k) {
+      auto const x = static_cast<std::size_t>(group[k]);
+      auto const m = static_cast<std::size_t>(me);
+      own[k] = c[m][x];
+      own_runs[k] = slot_runs[m][x];
+      own_back[k] = c[x][m];
+      own_back_runs[k] = slot_runs[x][m];
+      if (group[k] == relay_of(me)) {
+        far[k] = transit[m];
+        far_out_runs[k] = far_runs[m];
+      }
+      if (relay_of(group[k]) == me) {
+        far_back[k] = transit[x];
+        far_back_runs[k] = far_runs[x];
+      }
+    }
+    std::vector<std::int64_t> const one(group.size(), 1);
+    if (direct) {
+      d1.extra_count_rounds = {"kmoe-ep"};
+      add_sends(d1, own, group, me, nor, l.row_bytes, l.meta_row_bytes, &own_runs, &one);
+      add_sends(d1, far, group, me, nor, l.row_bytes, l.meta_row_bytes, &far_out_runs);
+    } else {
+      add_sends(d1, in_order(s1[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes);
+    }
     if (relay_of(me) != me) {
       d1.relay_rows += transit[static_cast<std::size_t>(me)];
       d1.relay_bytes += transit[static_cast<std::size_t>(me)] * per_row;
@@ -244,9 +303,11 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
       add_sends(d2, in_order(s2[static_cast<std::size_t>(me)], rg), rg, me, nor, l.row_bytes, l.meta_row_bytes, &runs);
     }
     StageLedger d3{"relay scatter", node_name};
-    d3.self_in_place = true;
+    d3.self_in_place = !direct;
     auto const runs_d3 = in_order(runs3[static_cast<std::size_t>(me)], group);
-    add_sends(d3, in_order(s3[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes, &runs_d3);
+    auto const fine_d3 = in_order(fine3[static_cast<std::size_t>(me)], group);
+    add_sends(d3, in_order(s3[static_cast<std::size_t>(me)], group), group, me, nor, l.row_bytes, l.meta_row_bytes,
+              direct ? &fine_d3 : &runs_d3, &runs_d3);
     std::int64_t moved = 0;
     for (int x : group)
       if (x != me) moved += s3[static_cast<std::size_t>(me)][static_cast<std::size_t>(x)];
@@ -256,8 +317,8 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
     for (int s = 0; s < N; ++s) l.dispatch.useful_rows += c[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
     // Combine: the reverse stages send back what each stage received.
     StageLedger c3{"relay gather (reverse of relay scatter)", node_name};
-    c3.self_in_place = true;
-    auto const runs_c3 = in_order(column(runs3), group);
+    c3.self_in_place = !direct;
+    auto const runs_c3 = in_order(column(direct ? fine3 : runs3), group);
     add_sends(c3, in_order(column(s3), group), group, me, nor, l.combine_row_bytes, 0, &runs_c3);
     StageLedger c2{"relay to relay (reverse)", d2.communicator};
     if (rail >= 0) {
@@ -268,9 +329,14 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
     StageLedger c1{"return from relay + node-local direct", node_name};
     // The own kept rows are written into the return buffer by the first
     // scatter; a rank that is its own relay copies its transit rows back.
-    c1.self_in_place = !(relay_of(me) == me && transit[static_cast<std::size_t>(me)] > 0);
-    auto const runs_c1 = in_order(column(runs1), group);
-    add_sends(c1, in_order(column(s1), group), group, me, nor, l.combine_row_bytes, 0, &runs_c1);
+    if (direct) {
+      add_sends(c1, own_back, group, me, nor, l.combine_row_bytes, 0, &own_back_runs);
+      add_sends(c1, far_back, group, me, nor, l.combine_row_bytes, 0, &far_back_runs);
+    } else {
+      c1.self_in_place = !(relay_of(me) == me && transit[static_cast<std::size_t>(me)] > 0);
+      auto const runs_c1 = in_order(column(runs1), group);
+      add_sends(c1, in_order(column(s1), group), group, me, nor, l.combine_row_bytes, 0, &runs_c1);
+    }
     l.combine.stages = {c3, c2, c1};
     for (std::size_t i = 0; i < 3; ++i) {
       l.combine.stages[i].relay_rows = l.dispatch.stages[2 - i].relay_rows;

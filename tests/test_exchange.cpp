@@ -293,6 +293,20 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
             auto hd = flat.dispatch(exec, rp, plan, hidden);
             auto hc = fc.dispatch(exec, rp, plan, hidden);
             CHECK(kmoe_test::same_bits(to_host_vector(hd.expert_rows), to_host_vector(hc.expert_rows)));
+            // The same for the relay stages: rows straight into the expert
+            // rows, or gathered there from the stages' buffers.
+            HierarchicalExchange<> hcopies(comms, placement, copies);
+            REQUIRE(hier.receives_into_experts<float>());
+            REQUIRE_FALSE(hcopies.receives_into_experts<float>());
+            auto rhc = run_step(hcopies, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
+            INFO("hierarchical with repack copies");
+            CHECK(kmoe_test::same_bits(to_host_vector(rhc.out), ref));
+            CHECK(rhc.arrival_ids == rh.arrival_ids);
+            CHECK(rhc.expert_major_ids == rh.expert_major_ids);
+            auto hhd = hier.dispatch(exec, rp, plan, hidden);
+            auto hhc = hcopies.dispatch(exec, rp, plan, hidden);
+            CHECK(kmoe_test::same_bits(to_host_vector(hhd.expert_rows), to_host_vector(hhc.expert_rows)));
+            CHECK(kmoe_test::same_bits(to_host_vector(hhd.expert_rows), to_host_vector(hd.expert_rows)));
           }
           // Pooled waves with factors large enough for no drops.
           auto pc = fp32;
@@ -709,8 +723,19 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
               with_copies);
       }
       HierarchicalExchange<> hier(comms, placement, c);
+      REQUIRE(hier.receives_into_experts<float>());
       auto rh = run_step(hier, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
       CHECK(untimed(rh.ledger) == untimed(planned_of(Algorithm::hierarchical)[static_cast<std::size_t>(rank)]));
+      {
+        // The relay stages with the repack copies.
+        auto copies = c;
+        copies.receive_into_experts = false;
+        copies.algorithm = Algorithm::hierarchical;
+        HierarchicalExchange<> hc(comms, placement, copies);
+        auto rc = run_step(hc, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+        CHECK(untimed(rc.ledger) == untimed(plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, copies, width})[static_cast<std::size_t>(rank)]));
+        CHECK(rc.ledger.dispatch.inter_node_payload_bytes() == rh.ledger.dispatch.inter_node_payload_bytes());
+      }
       PooledWaveExchange<> pooled(comms, placement, c);
       auto rpw = run_step(pooled, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
       auto const planned = planned_of(Algorithm::pooled_wave);

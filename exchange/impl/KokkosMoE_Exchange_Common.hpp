@@ -113,6 +113,15 @@ class ExchangeBase {
   TransportKind transport() const { return transport_->kind(); }
   TransportOptions options() const { return config_.transport_options(); }
 
+  /// \brief Whether rows of type T go straight to and from the expert rows
+  /// (ExchangeConfig::receive_into_experts, both payloads T's own
+  /// representation; the flat and hierarchical exchanges).
+  template <class T>
+  bool receives_into_experts() const {
+    return config_.receive_into_experts && KokkosMoE::Impl::same_representation<T>(config_.payload) &&
+           KokkosMoE::Impl::same_representation<T>(config_.return_payload);
+  }
+
  protected:
   /// Keeps a reference to comms (which must outlive the exchange) and a copy
   /// of the placement generation it moves rows for. With a registry, every
@@ -220,6 +229,117 @@ class ExchangeBase {
       Kokkos::deep_copy(exec, h.expert_offsets_d, hv);
     }
     h.expert_rows = work_.template matrix<T>(exec, "expert_rows", h.expert_offsets.back(), static_cast<std::size_t>(width));
+  }
+
+  /// \brief A dispatch's local work first (checks, rows and metadata packed
+  /// in the plan's send order); the problem it returns rides on the count
+  /// agreement (point to point under the watchdog), so a problem fails every
+  /// rank. slot_runs: the plan must have every peer's slot runs.
+  template <class T>
+  std::string pack_local(Exec const& exec, DispatchHandle<T, MemorySpace>& h, RoutePlan<MemorySpace> const& routes,
+                         DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden, int waves, bool slot_runs,
+                         PayloadBuffer<MemorySpace>& send, Kokkos::View<RowMeta*, MemorySpace>& meta) {
+    int const P = comms_->ep().size();
+    return problem_of([&] {
+      check_dispatch(h, hidden, waves);
+      KOKKOSMOE_REQUIRE(!slot_runs || static_cast<int>(plan.slot_runs.size()) == P,
+                        to_string(algorithm_) << " dispatch: the dispatch plan has slot runs for " << plan.slot_runs.size() << " of " << P
+                                              << " peers");
+      send = payload_buffer(work_, exec, "send", config_.payload, static_cast<int>(hidden.extent(1)), plan.rows());
+      meta = work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
+      pack(exec, routes, plan, hidden, send, meta);
+    });
+  }
+
+  /// \brief The expert-major places of a dispatch whose rows go straight
+  /// there: per source EP peer slot, one run of expert rows per local slot
+  /// of this rank (expert rows of a slot are by source, then send position:
+  /// the repack's order), and the same runs by (source, slot) as first
+  /// arrival position (one more entry: the arrivals) and first expert row,
+  /// to check the repack plan against.
+  struct DirectRuns {
+    RowRuns expert_runs;
+    std::vector<index_t> arrival_first, expert_first;
+  };
+
+  /// The most slots any rank holds (a bound every rank knows).
+  int max_slots_per_rank() const {
+    int m = 0;
+    for (int r = 0; r < placement_.num_ranks(); ++r) m = std::max(m, placement_.num_slots_of_rank(r));
+    return m;
+  }
+
+  /// Sets h's expert rows from every source's announced slot runs
+  /// (run_lengths[p][l]: rows source EP slot p sends for local slot l) and
+  /// returns where each (source, slot) run goes.
+  template <class T>
+  DirectRuns direct_layout(Exec const& exec, DispatchHandle<T, MemorySpace>& h, std::vector<std::vector<index_t>> const& run_lengths,
+                           int width) {
+    int const P = static_cast<int>(run_lengths.size());
+    int const L = placement_.num_slots_of_rank(me_);
+    std::vector<index_t> per_slot(static_cast<std::size_t>(L), 0);
+    for (auto const& lengths : run_lengths)
+      for (int l = 0; l < L; ++l) per_slot[static_cast<std::size_t>(l)] += lengths[static_cast<std::size_t>(l)];
+    set_expert_rows(exec, h, per_slot, width);
+    DirectRuns direct;
+    direct.expert_runs.assign(static_cast<std::size_t>(P), {});
+    std::vector<index_t> at(h.expert_offsets.begin(), h.expert_offsets.end() - 1);
+    index_t arrival = 0;
+    for (int p = 0; p < P; ++p)
+      for (int l = 0; l < L; ++l) {
+        index_t const n = run_lengths[static_cast<std::size_t>(p)][static_cast<std::size_t>(l)];
+        direct.expert_runs[static_cast<std::size_t>(p)].push_back({at[static_cast<std::size_t>(l)], n});
+        direct.arrival_first.push_back(arrival);
+        direct.expert_first.push_back(at[static_cast<std::size_t>(l)]);
+        at[static_cast<std::size_t>(l)] += n;
+        arrival += n;
+      }
+    direct.arrival_first.push_back(arrival);
+    return direct;
+  }
+
+  /// Collective over EP: builds h.repack from h.arrived_meta (flat arrival
+  /// order) and checks that it puts every row where its run put it; a row
+  /// for another slot than its sender announced fails every rank.
+  template <class T>
+  void check_direct_repack(Exec const& exec, DispatchHandle<T, MemorySpace>& h, DirectRuns const& direct) {
+    agree(comms_->ep().comm(), problem_of([&] {
+            h.repack = make_repack_plan(exec, h.arrived_meta, placement_, me_);
+            index_t misplaced = 0;
+            int const K = static_cast<int>(direct.expert_first.size());
+            if (K > 0 && h.repack.rows() > 0) {
+              auto af = device_vector<MemorySpace>(direct.arrival_first, "KokkosMoE::Exchange::arrival_first");
+              auto ef = device_vector<MemorySpace>(direct.expert_first, "KokkosMoE::Exchange::expert_first");
+              auto inv = h.repack.inv;
+              Kokkos::parallel_reduce(
+                  "KokkosMoE::Exchange::check_runs", Kokkos::RangePolicy<Exec>(exec, 0, h.repack.rows()),
+                  KOKKOS_LAMBDA(index_t i, index_t & bad) {
+                    int const k = segment_of(af, K, i);
+                    if (inv(i) != ef(k) + (i - af(k))) ++bad;
+                  },
+                  misplaced);
+            }
+            KOKKOSMOE_REQUIRE(h.repack.slot_counts == h.expert_counts && misplaced == 0,
+                              to_string(algorithm_) << " dispatch: " << misplaced << " rows that arrived at rank " << me_
+                                                    << " are for other slots than their senders announced");
+          }),
+          (to_string(algorithm_) + " dispatch repack").c_str(), config_.watchdog_seconds);
+  }
+
+  /// The bytes of a matrix whose rows are contiguous.
+  template <class T>
+  static typename RowSet<MemorySpace>::rows_view row_bytes_of(RowMatrix<T, MemorySpace> const& m) {
+    return typename RowSet<MemorySpace>::rows_view(reinterpret_cast<unsigned char*>(m.data()), m.extent(0), m.extent(1) * sizeof(T));
+  }
+
+  /// m itself where its rows are contiguous, else a contiguous copy to send
+  /// from (rows with gaps between them).
+  template <class T>
+  RowMatrix<T, MemorySpace> contiguous_rows(Exec const& exec, RowMatrix<T, MemorySpace> const& m) {
+    if (m.extent(0) <= 1 || static_cast<std::size_t>(m.stride(0)) == m.extent(1)) return m;
+    auto out = work_.template matrix<T>(exec, "expert_out", static_cast<index_t>(m.extent(0)), m.extent(1));
+    Kokkos::deep_copy(exec, out, m);
+    return out;
   }
 
   /// Ledger header of one call.
