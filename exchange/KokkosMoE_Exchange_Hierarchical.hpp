@@ -40,11 +40,14 @@
 /// one count round over EP first tells every rank each source's rows per
 /// local slot (DeepEP's notify round), so the own node's rows go straight
 /// from the plan's order into their expert rows (one run per slot), transit
-/// rows go to the relay in runs of the plan's order, and stage 3 sends its
-/// metadata first, after which relay and final rank cut the same runs at
-/// every slot change and the rows land in their expert rows. The combine
-/// sends the results back from those places: no repack copy either way.
-/// The copies left are a rank's rows to itself (as in the flat exchange).
+/// rows go to the relay in runs of the plan's order (per node, that node's
+/// relay of the rail first), stage 2 hands each receiving relay its own rows
+/// straight into its expert rows, and stage 3 sends its metadata first,
+/// after which relay and final rank cut the same runs at every slot change
+/// and the rows land in their expert rows. The combine sends the results
+/// back from those places: no repack copy either way. A rank's own rows
+/// (a relay's own transit rows too) are packed straight where they arrive;
+/// the one copy left is a relay's own transit results on the way back.
 ///
 /// The start forms post the relay-to-relay stage (the inter-node one) and
 /// return: dispatch_start runs stage 1 and posts stage 2, dispatch_finish
@@ -119,6 +122,12 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     RowRuns d1_send_runs, d1_recv_runs;      ///< their slot runs: plan positions / expert rows
     RowRuns s3_fine_send_runs;               ///< stage 3 per (origin, slot): over the stage-2 arrivals
     RowRuns s3_fine_recv_runs;               ///< the same runs in the expert rows
+    // Stage 2 of a direct dispatch also sends each receiving relay its own
+    // rows straight into its expert rows (s2 is then the other rows).
+    std::vector<index_t> s2_own_send, s2_own_recv;  ///< per relay peer
+    RowRuns s2_own_runs;       ///< per (source, slot): over the stage-1 arrivals
+    RowRuns s2_own_meta_runs;  ///< per source: the same rows' metadata
+    RowRuns s2_own_recv_runs;  ///< per (origin, slot): in the expert rows
   };
 
   /// \brief What a dispatch in flight keeps until dispatch_finish.
@@ -129,12 +138,15 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     meta_view r2_meta;
     std::shared_ptr<RowsInFlight> direct;  ///< direct: the own node's rows on their way to the expert rows
     meta_view d1_meta;                     ///< direct: their metadata, by source
+    std::shared_ptr<RowsInFlight> own2;    ///< direct: a relay's own rows from other relays (stage 2)
+    meta_view own2_meta;                   ///< direct: their metadata, by relay peer and origin
   };
   /// \brief What a combine in flight keeps until combine_finish.
   struct CombineFlight {
     PayloadBuffer<MS> fin;      ///< expert outputs in the final buffer's order
     PayloadBuffer<MS> s2_back;  ///< reverse stage-2 arrivals, written when the flight finishes
     std::shared_ptr<RowsInFlight> direct;  ///< direct: the own node's results on their way back
+    std::shared_ptr<RowsInFlight> own2;    ///< direct: a relay's own results on their way to the other relays
   };
 
   HierarchicalExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},
@@ -161,6 +173,9 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     ep_slot_ = Impl::device_vector<MS>(ep_slot, "KokkosMoE::HierarchicalExchange::ep_slot");
     my_node_ = topo.node_of(this->me_);
     my_relay_ = Topology::relay_for(topo, comms.layout(), this->me_, my_node_);
+    for (int n = 0; n < topo.num_nodes(); ++n) rail_relay_.push_back(Topology::relay_for(topo, comms.layout(), this->me_, n));
+    rail_relay_d_ = Impl::device_vector<MS>(rail_relay_, "KokkosMoE::HierarchicalExchange::rail_relay");
+    for (int r = 0; r < N; ++r) relay_of_.push_back(Topology::relay_for(topo, comms.layout(), r, topo.node_of(r)));
   }
 
   int waves() const { return 1; }
@@ -531,12 +546,13 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     // Rows per (source relay, origin's slot in its node, final rank's slot).
     Kokkos::View<index_t*, MS> hist("KokkosMoE::HierarchicalExchange::s3_hist", static_cast<std::size_t>(std::max(R, 1)) * M * S);
     index_t foreign = 0;
+    bool const direct = st.direct;  // a relay's own rows came in stage 2
     Kokkos::parallel_reduce(
         "KokkosMoE::HierarchicalExchange::stage3_runs", Kokkos::RangePolicy<Exec>(exec, 0, n2),
         KOKKOS_LAMBDA(index_t p, index_t & bad) {
           int const m = Impl::segment_of(seg_d, R, p);
           int const dst = r2_meta(p).dest_rank;
-          if (node_of(dst) != my_node) {
+          if (node_of(dst) != my_node || (direct && dst == me)) {
             ++bad;
             return;
           }
@@ -908,10 +924,14 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     st.s1.comm = 1;
     st.s1.send_counts.assign(Su, 0);
     st.s1_return_runs.assign(Su, {});
-    std::vector<std::pair<std::pair<int, int>, int>> far;  // ((destination node, its node-local slot), EP peer slot)
+    // By destination node, that node's relay of this rail first (stage 2
+    // hands it its own rows straight), then by node-local slot.
+    std::vector<std::pair<std::pair<int, int>, int>> far;  // ((destination node, order there), EP peer slot)
     for (int e = 0; e < ep.size(); ++e) {
       auto const g = static_cast<std::size_t>(ep.global_rank(e));
-      if (this->node_of_rank_[g] != my_node_ && plan.counts[e] > 0) far.push_back({{this->node_of_rank_[g], group_slot_h_[g]}, e});
+      int const n = this->node_of_rank_[g];
+      if (n == my_node_ || plan.counts[e] == 0) continue;
+      far.push_back({{n, rail_relay_[static_cast<std::size_t>(n)] == static_cast<int>(g) ? -1 : group_slot_h_[g]}, e});
     }
     std::sort(far.begin(), far.end());
     for (auto const& [key, e] : far) {
@@ -966,11 +986,167 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     }
     sl.seconds = lap();
     h.ledger.dispatch.stages.push_back(sl);
-    std::tie(f.r2, f.r2_meta) = relay_to_relay(exec, st, f.r1, f.r1_meta, h.ledger, lap, &h.flight);
+    relay_to_relay_direct(exec, st, f, h.expert_rows, h.ledger, lap, &h.flight);
     h.state = std::move(st);
     h.pending = std::move(f);
     h.seconds = timer.seconds();
     return h;
+  }
+
+  /// Stage 2 of a direct dispatch (relays): as relay_to_relay, but each
+  /// source's rows for a node start with those for that node's relay of
+  /// this rail (the stage-1 order puts them first), which go straight into
+  /// its expert rows, one run per (origin, slot); the other rows go to the
+  /// relay's stage-2 arrivals as before. One count round announces, per
+  /// source, both parts; the receiver checks its own part against the
+  /// counts every origin announced over EP.
+  template <class T>
+  void relay_to_relay_direct(Exec const& exec, State& st, Flight& f, RowMatrix<T, MS> const& expert_rows, ByteLedger& ledger,
+                             Impl::Lap<Exec>& lap, RowsInFlight* flight) {
+    auto const& comms = *this->comms_;
+    auto const& ep = comms.ep();
+    int const me = this->me_;
+    int const nodes = comms.topology().num_nodes();
+    int const my_node = my_node_;
+    auto node_of = node_of_;
+    auto rail_relay = rail_relay_d_;
+    index_t const n1 = f.r1.rows();
+    int const S = comms.node_local().size();
+    int const M = max_node_;
+    std::vector<index_t> const seg = Impl::offsets_of(st.s1.recv_counts);
+    auto seg_d = Impl::device_vector<MS>(seg, "KokkosMoE::HierarchicalExchange::s1_segments");
+    // Rows per (source, destination node, for that node's relay or not).
+    Kokkos::View<index_t*, MS> hist("KokkosMoE::HierarchicalExchange::s2_hist", static_cast<std::size_t>(S) * nodes * 2);
+    auto r1_meta = f.r1_meta;
+    index_t misrouted = 0;
+    Kokkos::parallel_reduce(
+        "KokkosMoE::HierarchicalExchange::stage2_runs", Kokkos::RangePolicy<Exec>(exec, 0, n1),
+        KOKKOS_LAMBDA(index_t p, index_t & bad) {
+          int const src = Impl::segment_of(seg_d, S, p);
+          int const dst = r1_meta(p).dest_rank;
+          int const n = node_of(dst);
+          Kokkos::atomic_add(&hist((static_cast<std::size_t>(src) * nodes + n) * 2 + (dst == rail_relay(n) ? 0 : 1)), index_t(1));
+          if (n == my_node) ++bad;
+        },
+        misrouted);
+    auto const h = Impl::host_vector(hist);
+    bool const relay = comms.is_relay();
+    st.s2 = StageRecord<MS>{};
+    st.s2.name = "relay to relay";
+    st.s2.comm = 2;
+    st.s2.input_rows = n1;
+    st.kept_runs.clear();
+    st.kept = 0;
+    auto const N2 = static_cast<std::size_t>(nodes);
+    st.s2.send_counts.assign(N2, 0);
+    st.s2_runs.assign(N2, {});
+    st.s2_own_send.assign(N2, 0);
+    st.s2_own_meta_runs.assign(N2, {});
+    RowRuns announce(N2), own_pieces(N2);
+    for (std::size_t n = 0; n < N2; ++n)
+      for (int src = 0; src < M; ++src) {
+        // Every source slot announced (empty ones too), own part then the rest.
+        std::size_t const b = (static_cast<std::size_t>(src) * N2 + n) * 2;
+        index_t const own = src < S ? h[b] : 0, rest = src < S ? h[b + 1] : 0;
+        announce[n].push_back({0, own});
+        announce[n].push_back({0, rest});
+      }
+    for (int src = 0; src < S; ++src) {
+      index_t at = seg[static_cast<std::size_t>(src)];
+      for (std::size_t n = 0; n < N2; ++n) {
+        std::size_t const b = (static_cast<std::size_t>(src) * N2 + n) * 2;
+        index_t const own = h[b], rest = h[b + 1];
+        if (own > 0) {
+          own_pieces[n].push_back({at, own});
+          st.s2_own_meta_runs[n].push_back({at, own});
+          st.s2_own_send[n] += own;
+        }
+        if (rest > 0) {
+          st.s2_runs[n].push_back({at + own, rest});
+          st.s2.send_counts[n] += rest;
+        }
+        at += own + rest;
+      }
+    }
+    // The own parts cut where the origin or the slot changes: one run per
+    // (origin, slot), as the receiver lays them out.
+    st.s2_own_runs = split_at_slots(n1 > 0 ? Impl::host_vector(f.r1_meta) : std::vector<RowMeta>{}, own_pieces);
+    agree(ep.comm(), problem_of([&] {
+            KOKKOSMOE_REQUIRE(misrouted == 0, misrouted << " rows for ranks of this node arrived at rank " << me << " as transit");
+            KOKKOSMOE_REQUIRE(relay || n1 == 0, n1 << " transit rows arrived at rank " << me << ", which is not a relay");
+          }),
+          "hierarchical relay check", this->config_.watchdog_seconds);
+    f.r2 = payload_buffer(this->work_, exec, "s2_none", f.r1.type, f.r1.width, 0);
+    f.r2_meta = meta_view();
+    StageLedger sl{st.s2.name, relay ? comms.relay().name() : std::string("-")};
+    std::string problem;
+    if (relay) {
+      auto const& rc = comms.relay();
+      std::vector<index_t> both(N2);
+      for (std::size_t n = 0; n < N2; ++n) both[n] = st.s2.send_counts[n] + st.s2_own_send[n];
+      auto const agreed = agree_counts_and_every_run(rc, both, n1, announce, 2 * M, 2 * M, "hierarchical dispatch stage 2 counts",
+                                                     this->options());
+      // What arrives: per relay peer and source slot, own rows then the rest.
+      int const R = rc.size();
+      st.s2.recv_counts.assign(static_cast<std::size_t>(R), 0);
+      st.s2_own_recv.assign(static_cast<std::size_t>(R), 0);
+      st.s2_own_recv_runs.assign(static_cast<std::size_t>(R), {});
+      std::vector<std::vector<index_t>> rest_lengths(static_cast<std::size_t>(R));
+      RowRuns own_meta_recv(static_cast<std::size_t>(R));
+      index_t own_at = 0;
+      problem = problem_of([&] {
+        for (int m = 0; m < R; ++m) {
+          int const peer = rc.global_rank(m);
+          int const node = comms.topology().node_of(peer);
+          auto const& group = comms.layout().node_groups[static_cast<std::size_t>(node)];
+          auto const& lengths = agreed.recv_run_lengths[static_cast<std::size_t>(m)];
+          for (int src = 0; src < M; ++src) {
+            index_t const own = lengths[static_cast<std::size_t>(2 * src)], rest = lengths[static_cast<std::size_t>(2 * src + 1)];
+            index_t expected = 0;
+            if (node != my_node && src < static_cast<int>(group.size()) &&
+                relay_of_[static_cast<std::size_t>(group[static_cast<std::size_t>(src)])] == peer) {
+              int const o = group[static_cast<std::size_t>(src)];
+              for (auto const& run : st.expert.expert_runs[static_cast<std::size_t>(ep.slot_of(o))])
+                if (run.second > 0) {
+                  st.s2_own_recv_runs[static_cast<std::size_t>(m)].push_back(run);
+                  expected += run.second;
+                }
+            }
+            KOKKOSMOE_REQUIRE(own == expected, "relay " << peer << " announced " << own << " rows of its source slot " << src
+                                                        << " for relay " << me << " itself, whose origin announced " << expected);
+            if (own > 0) own_meta_recv[static_cast<std::size_t>(m)].push_back({own_at, own});
+            own_at += own;
+            st.s2_own_recv[static_cast<std::size_t>(m)] += own;
+            if (rest > 0) rest_lengths[static_cast<std::size_t>(m)].push_back(rest);
+            st.s2.recv_counts[static_cast<std::size_t>(m)] += rest;
+          }
+        }
+      });
+      agree(ep.comm(), problem, "hierarchical dispatch stage 2 runs", this->config_.watchdog_seconds);
+      st.s2_recv_runs = consecutive_runs(rest_lengths);
+      // The own rows first (straight into the expert rows), then the rest.
+      f.own2_meta = this->work_.template vector<RowMeta>(exec, "s2_own_meta", own_at);
+      RowSet<MS> own_rows{f.r1.bytes, this->row_bytes_of(expert_rows), st.s2_own_runs, st.s2_own_recv_runs};
+      own_rows.owners = expert_rows;
+      f.own2 = std::make_shared<RowsInFlight>(this->transport_->start_alltoallv(
+          exec, rc, {own_rows, record_rows(f.r1_meta, f.own2_meta, st.s2_own_meta_runs, own_meta_recv)}, st.s2_own_send,
+          st.s2_own_recv, "hierarchical dispatch stage 2 own rows", this->options()));
+      index_t const n2 = Impl::total(st.s2.recv_counts);
+      f.r2 = payload_buffer(this->work_, exec, "s2_recv", f.r1.type, f.r1.width, n2);
+      f.r2_meta = this->work_.template vector<RowMeta>(exec, "s2_recv_meta", n2);
+      *flight = this->transport_->start_alltoallv(exec, rc,
+                                                  {RowSet<MS>{f.r1.bytes, f.r2.bytes, st.s2_runs, st.s2_recv_runs},
+                                                   record_rows(f.r1_meta, f.r2_meta, st.s2_runs, st.s2_recv_runs)},
+                                                  st.s2.send_counts, st.s2.recv_counts, "hierarchical dispatch stage 2 rows", this->options());
+      auto const runs = runs_per_peer(st.s2_runs);
+      add_sends(sl, st.s2.send_counts, rc.peer_order(), me, this->node_of_rank_, f.r1.row_bytes(), sizeof(RowMeta), &runs);
+      auto const own_runs = runs_per_peer(st.s2_own_runs), own_meta = runs_per_peer(st.s2_own_meta_runs);
+      add_sends(sl, st.s2_own_send, rc.peer_order(), me, this->node_of_rank_, f.r1.row_bytes(), sizeof(RowMeta), &own_runs, &own_meta);
+    } else {
+      agree(ep.comm(), problem, "hierarchical dispatch stage 2 runs", this->config_.watchdog_seconds);
+    }
+    sl.seconds = lap();
+    ledger.dispatch.stages.push_back(sl);
   }
 
   /// Rows of plan positions runs[i] packed from hidden straight into rows
@@ -1037,15 +1213,18 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto const& node = comms.node_local();
     int const S = node.size();
     f.direct->finish();  // the own node's rows
+    if (f.own2) f.own2->finish();  // a relay's own rows from other nodes
     index_t const n2 = f.r2.rows();
     scatter_runs(exec, st, f.r2_meta, n2);
     auto const agreed = agree_counts_and_runs(node, st.s3.send_counts, n2, st.s3_runs, comms.topology().num_nodes() * max_node_,
                                               "hierarchical dispatch stage 3 counts", this->options());
     st.s3.recv_counts = agreed.recv;
     st.s3_recv_runs = consecutive_runs(agreed.recv_run_lengths);
-    index_t const nd = Impl::total(st.d1_recv), n3 = Impl::total(st.s3.recv_counts);
-    auto fin_meta = this->work_.template vector<RowMeta>(exec, "final_meta", nd + n3);
-    meta_view const r3_meta = Kokkos::subview(fin_meta, std::pair<index_t, index_t>(nd, nd + n3));
+    // Final metadata: the own node's rows, a relay's own rows from stage 2,
+    // then the stage-3 arrivals.
+    index_t const nd = Impl::total(st.d1_recv), no = Impl::total(st.s2_own_recv), n3 = Impl::total(st.s3.recv_counts);
+    auto fin_meta = this->work_.template vector<RowMeta>(exec, "final_meta", nd + no + n3);
+    meta_view const r3_meta = Kokkos::subview(fin_meta, std::pair<index_t, index_t>(nd + no, nd + no + n3));
     this->transport_->alltoallv(exec, node, {record_rows(f.r2_meta, r3_meta, st.s3_runs, st.s3_recv_runs)}, st.s3.send_counts,
                                 st.s3.recv_counts, "hierarchical dispatch stage 3 metadata", this->options());
     st.s3_fine_send_runs = split_at_slots(n2 > 0 ? Impl::host_vector(f.r2_meta) : std::vector<RowMeta>{}, st.s3_runs);
@@ -1083,7 +1262,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     h.ledger.dispatch.stages.push_back(sl);
     // The own node's metadata in front of the stage-3 arrivals, then the flat order.
     if (nd > 0) Kokkos::deep_copy(exec, Kokkos::subview(fin_meta, std::pair<index_t, index_t>(0, nd)), f.d1_meta);
-    sort_by_origin(exec, st, h, fin_meta, nd + n3);
+    if (no > 0) Kokkos::deep_copy(exec, Kokkos::subview(fin_meta, std::pair<index_t, index_t>(nd, nd + no)), f.own2_meta);
+    sort_by_origin(exec, st, h, fin_meta, nd + no + n3);
     this->check_direct_repack(exec, h, st.expert);
   }
 
@@ -1137,8 +1317,24 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto direct = std::make_shared<RowsInFlight>(this->transport_->start_alltoallv(
         exec, node, {back1}, st.d1_recv, st.d1_send, "hierarchical combine stage 1 direct rows", this->options()));
     auto s1_back = payload_buffer(this->work_, exec, "s1_recv_back", type, d, Impl::total(st.s1.recv_counts));
+    std::shared_ptr<RowsInFlight> own2;
+    if (this->comms_->is_relay()) {
+      // A relay's own results, straight from their expert rows to the relays
+      // their rows came from (into the runs stage 2 sent them from).
+      auto const& rc = this->comms_->relay();
+      RowSet<MS> own{bytes, s1_back.bytes, st.s2_own_recv_runs, st.s2_own_runs};
+      own.owners = out;
+      own2 = std::make_shared<RowsInFlight>(this->transport_->start_alltoallv(
+          exec, rc, {own}, st.s2_own_recv, st.s2_own_send, "hierarchical combine stage 2 own rows", this->options()));
+    }
     reverse_relay(exec, st, s2_in_back, s1_back, h.ledger, lap, &h.flight);
-    h.pending = CombineFlight{{}, s1_back, direct};
+    if (own2) {
+      auto const& rc = this->comms_->relay();
+      auto const runs = runs_per_peer(st.s2_own_recv_runs);
+      add_sends(h.ledger.combine.stages.back(), st.s2_own_recv, rc.peer_order(), this->me_, this->node_of_rank_, s1_back.row_bytes(), 0,
+                &runs);
+    }
+    h.pending = CombineFlight{{}, s1_back, direct, own2};
   }
 
   /// Reverse of stage 1 of a direct dispatch: relays return the transit
@@ -1147,6 +1343,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   void reverse_gather_direct(Exec const& exec, State const& st, CombineFlight const& f, PayloadBuffer<MS> const& returned,
                              ByteLedger& ledger) {
     auto const& node = this->comms_->node_local();
+    if (f.own2) f.own2->finish();
     agree_counts(node, st.s1.recv_counts, Impl::total(st.s1.recv_counts), &st.s1.send_counts, "hierarchical combine stage 1 counts",
                  this->options());
     this->transport_->alltoallv(exec, node, {RowSet<MS>{f.s2_back.bytes, returned.bytes, st.s1_back_runs, st.s1_return_runs}},
@@ -1285,6 +1482,9 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
  private:
   Kokkos::View<int*, MS> node_of_, node_slot_, ep_slot_, group_slot_;
   std::vector<int> group_slot_h_;
+  std::vector<int> rail_relay_;             ///< per node: the relay of this rank's rail there
+  Kokkos::View<int*, MS> rail_relay_d_;
+  std::vector<int> relay_of_;               ///< per rank: its stage-1 relay
   int max_node_ = 1;  ///< ranks of the largest node
   int my_node_ = -1;
   int my_relay_ = -1;

@@ -230,19 +230,49 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
   // message per peer; transit rows to the relay one run per destination
   // rank (payload and metadata alike, both ways); stage 3's payload one run
   // per (origin, local slot) both ways, its metadata one run per origin.
+  // Stage 2 hands each receiving relay its own rows straight (one run per
+  // (origin, slot), metadata one run per origin; the other rows as before,
+  // a source's rows for a node after those for its relay), so stage 3
+  // carries no row for the relay itself.
   bool const direct = receives_into_experts(in);
   Matrix const slot_runs = direct ? slot_run_matrix(routes, N) : Matrix{};
   Matrix fine3(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 0));
+  Matrix own2 = fine3, own2_runs = fine3, own2_meta = fine3;
   std::vector<std::int64_t> far_runs(static_cast<std::size_t>(N), 0);
-  if (direct)
+  if (direct) {
     for (int s = 0; s < N; ++s)
       for (int d = 0; d < N; ++d) {
-        int const b = nor[static_cast<std::size_t>(d)];
-        if (b == nor[static_cast<std::size_t>(s)] || c[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)] == 0) continue;
-        ++far_runs[static_cast<std::size_t>(s)];
-        int const r2 = layout.relays[static_cast<std::size_t>(b)][static_cast<std::size_t>(rail_of(s))];
-        fine3[static_cast<std::size_t>(r2)][static_cast<std::size_t>(d)] += slot_runs[static_cast<std::size_t>(s)][static_cast<std::size_t>(d)];
+        auto const su = static_cast<std::size_t>(s), du = static_cast<std::size_t>(d);
+        int const b = nor[du];
+        if (b == nor[su] || c[su][du] == 0) continue;
+        ++far_runs[su];
+        auto const r2 = static_cast<std::size_t>(layout.relays[static_cast<std::size_t>(b)][static_cast<std::size_t>(rail_of(s))]);
+        if (r2 == du) {
+          auto const r = static_cast<std::size_t>(relay_of(s));
+          own2[r][r2] += c[su][du];
+          own2_runs[r][r2] += slot_runs[su][du];
+          own2_meta[r][r2] += 1;
+          s2[r][r2] -= c[su][du];
+          s3[r2][du] -= c[su][du];
+          runs3[r2][du] -= 1;
+        } else {
+          fine3[r2][du] += slot_runs[su][du];
+        }
       }
+    // Other rows per (source, node): a run where any are left.
+    for (auto& row : runs2) std::fill(row.begin(), row.end(), 0);
+    for (int s = 0; s < N; ++s) {
+      auto const su = static_cast<std::size_t>(s);
+      for (int b = 0; b < nodes; ++b) {
+        if (b == nor[su]) continue;
+        auto const r2 = layout.relays[static_cast<std::size_t>(b)][static_cast<std::size_t>(rail_of(s))];
+        std::int64_t t = 0;
+        for (int d : topo.ranks_of_node(b))
+          if (d != r2) t += c[su][static_cast<std::size_t>(d)];
+        if (t > 0) runs2[static_cast<std::size_t>(relay_of(s))][static_cast<std::size_t>(r2)] += 1;
+      }
+    }
+  }
   std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::hierarchical, in));
   for (int me = 0; me < N; ++me) {
     auto& l = out[static_cast<std::size_t>(me)];
@@ -301,6 +331,11 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
       auto const& rg = layout.relay_groups[static_cast<std::size_t>(rail)];
       auto const runs = in_order(runs2[static_cast<std::size_t>(me)], rg);
       add_sends(d2, in_order(s2[static_cast<std::size_t>(me)], rg), rg, me, nor, l.row_bytes, l.meta_row_bytes, &runs);
+      if (direct) {
+        auto const own_runs = in_order(own2_runs[static_cast<std::size_t>(me)], rg);
+        auto const own_meta = in_order(own2_meta[static_cast<std::size_t>(me)], rg);
+        add_sends(d2, in_order(own2[static_cast<std::size_t>(me)], rg), rg, me, nor, l.row_bytes, l.meta_row_bytes, &own_runs, &own_meta);
+      }
     }
     StageLedger d3{"relay scatter", node_name};
     d3.self_in_place = !direct;
@@ -325,6 +360,10 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
       auto const& rg = layout.relay_groups[static_cast<std::size_t>(rail)];
       auto const runs = in_order(column(runs2), rg);
       add_sends(c2, in_order(column(s2), rg), rg, me, nor, l.combine_row_bytes, 0, &runs);
+      if (direct) {
+        auto const own_runs = in_order(column(own2_runs), rg);
+        add_sends(c2, in_order(column(own2), rg), rg, me, nor, l.combine_row_bytes, 0, &own_runs);
+      }
     }
     StageLedger c1{"return from relay + node-local direct", node_name};
     // The own kept rows are written into the return buffer by the first
