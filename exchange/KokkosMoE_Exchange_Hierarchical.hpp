@@ -136,17 +136,17 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     meta_view r1_meta;
     PayloadBuffer<MS> r2;  ///< stage-2 arrivals (relays), written when the flight finishes
     meta_view r2_meta;
-    std::shared_ptr<RowsInFlight> direct;  ///< direct: the own node's rows on their way to the expert rows
-    meta_view d1_meta;                     ///< direct: their metadata, by source
-    std::shared_ptr<RowsInFlight> own2;    ///< direct: a relay's own rows from other relays (stage 2)
-    meta_view own2_meta;                   ///< direct: their metadata, by relay peer and origin
+    std::shared_ptr<RowsInFlight> direct{};  ///< direct: the own node's rows on their way to the expert rows
+    meta_view d1_meta{};                   ///< direct: their metadata, by source
+    std::shared_ptr<RowsInFlight> own2{};  ///< direct: a relay's own rows from other relays (stage 2)
+    meta_view own2_meta{};                 ///< direct: their metadata, by relay peer and origin
   };
   /// \brief What a combine in flight keeps until combine_finish.
   struct CombineFlight {
     PayloadBuffer<MS> fin;      ///< expert outputs in the final buffer's order
     PayloadBuffer<MS> s2_back;  ///< reverse stage-2 arrivals, written when the flight finishes
-    std::shared_ptr<RowsInFlight> direct;  ///< direct: the own node's results on their way back
-    std::shared_ptr<RowsInFlight> own2;    ///< direct: a relay's own results on their way to the other relays
+    std::shared_ptr<RowsInFlight> direct{};  ///< direct: the own node's results on their way back
+    std::shared_ptr<RowsInFlight> own2{};  ///< direct: a relay's own results on their way to the other relays
   };
 
   HierarchicalExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},

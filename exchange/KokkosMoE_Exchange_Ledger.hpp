@@ -60,7 +60,7 @@ struct StageLedger {
   /// own (each a count message to every peer): a hierarchical dispatch that
   /// receives into the expert rows agrees every rank's slot counts over EP
   /// in its first stage.
-  std::vector<std::string> extra_count_rounds;
+  std::vector<std::string> extra_count_rounds{};
   double seconds = 0;             ///< wall time of the stage on this rank (max over ranks once reduced); 0 when planned
 
   ClassCounts total() const;
