@@ -274,39 +274,34 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
           CHECK(kmoe_test::same_bits(oh, ref));
           CHECK(rh.arrival_ids == rf.arrival_ids);
           {
-            // Rows through one message per peer and the repack copies: the
-            // same arrival and expert-major orders, the same bits.
+            // Rows through one message per peer and the repack copies (the
+            // relay stages: gathered from the stages' buffers): the same
+            // arrival and expert-major orders, the same bits, the same expert
+            // rows bit for bit (the step would not see rows swapped within
+            // one slot).
             auto copies = fp32;
             copies.receive_into_experts = false;
-            FlatExchange<> fc(comms, placement, copies);
-            REQUIRE_FALSE(fc.receives_into_experts<float>());
-            auto rc = run_step(fc, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
-            INFO("flat with repack copies");
-            CHECK(kmoe_test::same_bits(to_host_vector(rc.out), ref));
-            CHECK(rc.arrival_ids == rf.arrival_ids);
-            CHECK(rc.expert_major_ids == rf.expert_major_ids);
-            CHECK(rc.slot_counts == rf.slot_counts);
-            // The expert rows themselves, bit for bit (the step above
-            // would not see rows swapped within one slot).
             Exec exec;
             auto const [rp, plan] = plans_of(comms, placement, routes, rank, bases[rank], nor[rank]);
-            auto hd = flat.dispatch(exec, rp, plan, hidden);
-            auto hc = fc.dispatch(exec, rp, plan, hidden);
-            CHECK(kmoe_test::same_bits(to_host_vector(hd.expert_rows), to_host_vector(hc.expert_rows)));
-            // The same for the relay stages: rows straight into the expert
-            // rows, or gathered there from the stages' buffers.
-            HierarchicalExchange<> hcopies(comms, placement, copies);
-            REQUIRE(hier.receives_into_experts<float>());
-            REQUIRE_FALSE(hcopies.receives_into_experts<float>());
-            auto rhc = run_step(hcopies, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
-            INFO("hierarchical with repack copies");
-            CHECK(kmoe_test::same_bits(to_host_vector(rhc.out), ref));
-            CHECK(rhc.arrival_ids == rh.arrival_ids);
-            CHECK(rhc.expert_major_ids == rh.expert_major_ids);
-            auto hhd = hier.dispatch(exec, rp, plan, hidden);
-            auto hhc = hcopies.dispatch(exec, rp, plan, hidden);
-            CHECK(kmoe_test::same_bits(to_host_vector(hhd.expert_rows), to_host_vector(hhc.expert_rows)));
-            CHECK(kmoe_test::same_bits(to_host_vector(hhd.expert_rows), to_host_vector(hd.expert_rows)));
+            auto same_with_copies = [&](auto& direct, auto& with_copies, auto const& rd, char const* what) {
+              INFO(what << " with repack copies");
+              REQUIRE(direct.template receives_into_experts<float>());
+              REQUIRE_FALSE(with_copies.template receives_into_experts<float>());
+              auto rc = run_step(with_copies, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
+              CHECK(kmoe_test::same_bits(to_host_vector(rc.out), ref));
+              CHECK(rc.arrival_ids == rd.arrival_ids);
+              CHECK(rc.expert_major_ids == rd.expert_major_ids);
+              CHECK(rc.slot_counts == rd.slot_counts);
+              auto hd = direct.dispatch(exec, rp, plan, hidden);
+              auto hc = with_copies.dispatch(exec, rp, plan, hidden);
+              auto const rows = to_host_vector(hd.expert_rows);
+              CHECK(kmoe_test::same_bits(rows, to_host_vector(hc.expert_rows)));
+              return rows;
+            };
+            FlatExchange<> fc(comms, placement, copies);
+            HierarchicalExchange<> hc(comms, placement, copies);
+            auto const flat_rows = same_with_copies(flat, fc, rf, "flat");
+            CHECK(kmoe_test::same_bits(same_with_copies(hier, hc, rh, "hierarchical"), flat_rows));
           }
           // Pooled waves with factors large enough for no drops.
           auto pc = fp32;
