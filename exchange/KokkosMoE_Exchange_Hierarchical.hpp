@@ -14,7 +14,8 @@
 /// the three stages exactly. Works with one relay per node and with rail
 /// relays (relays_per_node > 1).
 ///
-/// dispatch = gather_to_relay (pack straight into stage-1 order) ->
+/// Where the payloads are another type than the rows (converted on the
+/// way): dispatch = gather_to_relay (pack straight into stage-1 order) ->
 /// relay_to_relay -> relay_scatter -> restore_flat_order (arrival metadata,
 /// repack, expert rows gathered straight from the final buffer).
 /// combine = uncanonical -> reverse_scatter -> reverse_relay -> reverse_gather.
@@ -852,8 +853,10 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   /// will receive goes before any row moves. Stage 1 sends the own node's
   /// rows straight into their expert rows (one run per slot, as the flat
   /// exchange does) and the transit rows to the relay from the plan's order
-  /// (one run per destination rank, by destination node and its node-local
-  /// slot: the order stages 2 and 3 forward them in); stage 2 is posted.
+  /// (one run per destination rank, by destination node, that node's relay
+  /// of this rail first, then node-local slot: the order stages 2 and 3
+  /// forward them in); stage 2 is posted. A rank's own rows, and a relay's
+  /// own transit rows, are packed straight where they arrive.
   template <class T>
   DispatchHandle<T, MS> dispatch_start_direct(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
                                               RowMatrix<T, MS> const& hidden, int wave) {
