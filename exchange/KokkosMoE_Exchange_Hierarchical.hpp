@@ -15,7 +15,8 @@
 /// relays (relays_per_node > 1).
 ///
 /// Where the payloads are another type than the rows (converted on the
-/// way): dispatch = gather_to_relay (pack straight into stage-1 order) ->
+/// way), or receive_into_experts is off: dispatch = gather_to_relay (pack
+/// straight into stage-1 order) ->
 /// relay_to_relay -> relay_scatter -> restore_flat_order (arrival metadata,
 /// repack, expert rows gathered straight from the final buffer).
 /// combine = uncanonical -> reverse_scatter -> reverse_relay -> reverse_gather.
