@@ -229,10 +229,10 @@ ByteLedger predict(CostModel const& model, Topology::Topology const& topo, Topol
         // forward encoded rows.
         double coded = 0;
         if (s == 0 && dir == 0) coded += sent * model.encode_s_per_byte;
-        if (s == 0 && dir == 1)
+        if (s == 0 && dir == 1 && !out.combine.rows_in_place)
           coded += static_cast<double>(ledgers[static_cast<std::size_t>(r)].dispatch.useful_rows) *
                    static_cast<double>(out.combine_row_bytes) * model.encode_s_per_byte;
-        if (dir == 0 && s + 1 == stages.size())
+        if (dir == 0 && s + 1 == stages.size() && !out.dispatch.rows_in_place)
           coded += static_cast<double>(dl.useful_rows) * static_cast<double>(out.row_bytes + out.meta_row_bytes) * model.decode_s_per_byte;
         copy_max = std::max(copy_max, coded);
       }

@@ -23,7 +23,9 @@
 /// dispatch: the bytes the rank sends there; the combine: every expert
 /// output row the rank holds, its dispatch's useful rows) and, in the
 /// dispatch, decoded in its last (its useful rows); relays forward encoded
-/// rows. The messages are the ledger's (the rows' and their metadata's,
+/// rows. A direction whose rows need no repack copy (DirectionLedger::
+/// rows_in_place: rows land in their expert rows, results leave from them)
+/// has no decode (dispatch) or expert-output encode (combine) term. The messages are the ledger's (the rows' and their metadata's,
 /// one per run where a stage sends runs separately: transfer_messages),
 /// and every rank of the stage's communicator sends one count message to
 /// each of its peers (the counts and, for runs, their lengths, one round).

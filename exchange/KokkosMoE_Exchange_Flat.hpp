@@ -220,6 +220,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     add_sends(stage, plan.counts, ep.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta), &runs, &one);
     h.ledger.dispatch.stages.push_back(stage);
     h.ledger.dispatch.useful_rows = n;
+    h.ledger.dispatch.rows_in_place = true;
     h.state = std::move(direct);
     h.pending = true;
     h.seconds = timer.seconds();
@@ -248,6 +249,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     auto const runs = runs_per_peer(direct.expert_runs);
     add_sends(stage, h.recv_counts, ep.peer_order(), this->me_, this->node_of_rank_, returned.row_bytes(), 0, &runs);
     h.ledger.combine.stages = {stage};
+    h.ledger.combine.rows_in_place = true;
     h.ledger.combine.useful_rows = h.plan.rows();
     h.seconds = timer.seconds();
   }

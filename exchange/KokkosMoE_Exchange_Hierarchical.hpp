@@ -279,6 +279,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     this->set_combine_format(h.ledger, d);
     h.ledger.combine.stages.clear();
     if (st->direct) {
+      h.ledger.combine.rows_in_place = true;
       combine_start_direct(exec, *st, h, out, returned, lap);
       h.pending_returned = returned;
       h.ledger.combine.useful_rows = h.plan.rows();
@@ -869,6 +870,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto h = this->template new_handle<T>(routes, plan, wave);
     int const d = static_cast<int>(hidden.extent(1));
     h.ledger = this->new_ledger(d);
+    h.ledger.dispatch.rows_in_place = true;
     PayloadBuffer<MS> send;
     meta_view meta;
     // Rows in the plan's order, but the rank's own rows (and, at a relay,

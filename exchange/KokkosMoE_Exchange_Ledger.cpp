@@ -84,6 +84,7 @@ json direction_json(DirectionLedger const& d) {
               {"relay_bytes", d.relay_bytes()},
               {"padding_rows", d.padding_rows()},
               {"sender_drops", d.sender_drops},
+              {"rows_in_place", d.rows_in_place},
               {"receiver_drops", d.receiver_drops}};
 }
 
@@ -127,6 +128,7 @@ void unflatten(DirectionLedger& d, std::vector<std::int64_t> const& v, std::size
 void accumulate_direction(DirectionLedger& a, DirectionLedger const& b) {
   KOKKOSMOE_REQUIRE(a.stages.size() == b.stages.size(), "ledgers with different stage structure cannot be added");
   for (std::size_t s = 0; s < a.stages.size(); ++s) a.stages[s].seconds = std::max(a.stages[s].seconds, b.stages[s].seconds);
+  a.rows_in_place = a.rows_in_place && b.rows_in_place;
   std::vector<std::int64_t> va, vb;
   flatten(a, va);
   flatten(b, vb);
@@ -170,6 +172,7 @@ void ByteLedger::append(ByteLedger const& next) {
     into->useful_rows += from->useful_rows;
     into->sender_drops += from->sender_drops;
     into->receiver_drops += from->receiver_drops;
+    into->rows_in_place = into->rows_in_place && from->rows_in_place;
   }
   if (combine_payload.empty()) {
     combine_payload = next.combine_payload;

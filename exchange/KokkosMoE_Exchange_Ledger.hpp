@@ -72,6 +72,10 @@ struct DirectionLedger {
   std::int64_t useful_rows = 0;     ///< routes carried (each counted once, at its final destination)
   std::int64_t sender_drops = 0;    ///< routes the sender could not place (static shapes)
   std::int64_t receiver_drops = 0;  ///< routes the receiver could not place (static shapes)
+  /// Rows need no repack copy at their ends: dispatched rows land in their
+  /// expert rows, results leave from them (ExchangeConfig::
+  /// receive_into_experts); the cost model prices no decode or encode pass then.
+  bool rows_in_place = false;
 
   /// \brief Sum over stages for one class.
   ClassCounts by_class(LinkClass c) const;

@@ -141,6 +141,7 @@ std::vector<ByteLedger> plan_flat(PlanInput const& in) {
     add_sends(b, in_order(recv, layout.ep_order), layout.ep_order, me, nor, l.combine_row_bytes, 0, &back_runs);
     l.combine.stages.push_back(b);
     l.combine.useful_rows = static_cast<std::int64_t>(routes[static_cast<std::size_t>(me)].dest.size());
+    l.dispatch.rows_in_place = l.combine.rows_in_place = receives_into_experts(in);
   }
   return out;
 }
@@ -382,6 +383,7 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
       l.combine.stages[i].relay_bytes = l.combine.stages[i].relay_rows * l.combine_row_bytes;
     }
     l.combine.useful_rows = static_cast<std::int64_t>(routes[static_cast<std::size_t>(me)].dest.size());
+    l.dispatch.rows_in_place = l.combine.rows_in_place = receives_into_experts(in);
   }
   (void)nodes;
   return out;

@@ -270,6 +270,13 @@ TEST_CASE("cost model: alpha-beta fit, stage prediction, files", "[fabric][model
   REQUIRE(p.dispatch.stages.size() == 1);
   CHECK(p.dispatch.stages[0].seconds == Approx(10e-6 + copy_t + std::max(rank_t, nic_t)));
   CHECK(nic_t > rank_t);
+  {
+    // Rows that land straight in their expert rows take no decode pass.
+    auto in_place = ledgers;
+    for (auto& L : in_place) L.dispatch.rows_in_place = true;
+    CHECK(Exchange::predict(model, topo, layout, in_place).dispatch.stages[0].seconds ==
+          Approx(10e-6 + (100800 + 201600) * 0.1e-9 + std::max(rank_t, nic_t)));
+  }
   // The combine encodes every expert output row the rank holds (its
   // dispatch's 300 useful rows), even when its first stage sends fewer
   // (a relay gather that moves 50 rows of 1000 B to one node peer).
@@ -285,6 +292,9 @@ TEST_CASE("cost model: alpha-beta fit, stage prediction, files", "[fabric][model
     REQUIRE(pc.combine.stages.size() == 1);
     double const rank_c = 2 * 2e-6 + 50000 * 0.2e-9;  // one pair (no metadata) + one count message
     CHECK(pc.combine.stages[0].seconds == Approx(10e-6 + 300 * 1000 * 0.1e-9 + rank_c));
+    // Results sent from the expert rows themselves take no encode pass.
+    for (auto& L : with_combine) L.combine.rows_in_place = true;
+    CHECK(Exchange::predict(model, topo, layout, with_combine).combine.stages[0].seconds == Approx(10e-6 + rank_c));
   }
   // Two NICs per node: each serves one rank.
   model.nics_per_node = 2;
