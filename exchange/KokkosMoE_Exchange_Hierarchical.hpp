@@ -447,14 +447,13 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     auto seg_d = Impl::device_vector<MS>(seg, "KokkosMoE::HierarchicalExchange::s1_segments");
     Kokkos::View<index_t*, MS> hist("KokkosMoE::HierarchicalExchange::s2_hist", static_cast<std::size_t>(S) * nodes);
     index_t misrouted = 0;
-    bool const direct = st.direct;  // then no row for this rank itself is transit either
     Kokkos::parallel_reduce(
         "KokkosMoE::HierarchicalExchange::stage2_runs", Kokkos::RangePolicy<Exec>(exec, 0, n1),
         KOKKOS_LAMBDA(index_t p, index_t & bad) {
           int const src = Impl::segment_of(seg_d, S, p);
           int const dst = r1_meta(p).dest_rank;
           Kokkos::atomic_add(&hist(static_cast<std::size_t>(src) * nodes + node_of(dst)), index_t(1));
-          if (node_of(dst) == my_node && (direct || dst != me)) ++bad;
+          if (node_of(dst) == my_node && dst != me) ++bad;
         },
         misrouted);
     auto const h = Impl::host_vector(hist);
@@ -877,10 +876,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     // its own transit rows): those are packed straight where they arrive.
     bool const own_relay = my_relay_ == this->me_;
     std::string const problem = problem_of([&] {
-      this->check_dispatch(h, hidden, waves());
-      KOKKOSMOE_REQUIRE(static_cast<int>(plan.slot_runs.size()) == ep.size(),
-                        "hierarchical dispatch: the dispatch plan has slot runs for " << plan.slot_runs.size() << " of " << ep.size()
-                                                                                      << " peers");
+      this->check_dispatch(h, hidden, waves(), /*slot_runs=*/true);
       send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, plan.rows());
       meta = this->work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
       pack_meta(exec, routes, plan, meta);
@@ -1090,9 +1086,9 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       auto const& rc = comms.relay();
       std::vector<index_t> both(N2);
       for (std::size_t n = 0; n < N2; ++n) both[n] = st.s2.send_counts[n] + st.s2_own_send[n];
-      auto const agreed = agree_counts_and_every_run(rc, both, n1, announce, 2 * M, 2 * M, "hierarchical dispatch stage 2 counts",
-                                                     this->options());
       // What arrives: per relay peer and source slot, own rows then the rest.
+      // A failed count agreement among the relays rides on the agreement
+      // over EP below, so every rank fails alike.
       int const R = rc.size();
       st.s2.recv_counts.assign(static_cast<std::size_t>(R), 0);
       st.s2_own_recv.assign(static_cast<std::size_t>(R), 0);
@@ -1101,6 +1097,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       RowRuns own_meta_recv(static_cast<std::size_t>(R));
       index_t own_at = 0;
       problem = problem_of([&] {
+        auto const agreed = agree_counts_and_every_run(rc, both, n1, announce, 2 * M, 2 * M, "hierarchical dispatch stage 2 counts",
+                                                       this->options());
         for (int m = 0; m < R; ++m) {
           int const peer = rc.global_rank(m);
           int const node = comms.topology().node_of(peer);
@@ -1222,40 +1220,44 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     if (f.own2) f.own2->finish();  // a relay's own rows from other nodes
     index_t const n2 = f.r2.rows();
     scatter_runs(exec, st, f.r2_meta, n2);
-    auto const agreed = agree_counts_and_runs(node, st.s3.send_counts, n2, st.s3_runs, comms.topology().num_nodes() * max_node_,
-                                              "hierarchical dispatch stage 3 counts", this->options());
-    st.s3.recv_counts = agreed.recv;
-    st.s3_recv_runs = consecutive_runs(agreed.recv_run_lengths);
     // Final metadata: the own node's rows, a relay's own rows from stage 2,
-    // then the stage-3 arrivals.
-    index_t const nd = Impl::total(st.d1_recv), no = Impl::total(st.s2_own_recv), n3 = Impl::total(st.s3.recv_counts);
-    auto fin_meta = this->work_.template vector<RowMeta>(exec, "final_meta", nd + no + n3);
-    meta_view const r3_meta = Kokkos::subview(fin_meta, std::pair<index_t, index_t>(nd + no, nd + no + n3));
-    this->transport_->alltoallv(exec, node, {record_rows(f.r2_meta, r3_meta, st.s3_runs, st.s3_recv_runs)}, st.s3.send_counts,
-                                st.s3.recv_counts, "hierarchical dispatch stage 3 metadata", this->options());
-    st.s3_fine_send_runs = split_at_slots(n2 > 0 ? Impl::host_vector(f.r2_meta) : std::vector<RowMeta>{}, st.s3_runs);
-    std::vector<RowMeta> const arrived = n3 > 0 ? Impl::host_vector(r3_meta) : std::vector<RowMeta>{};
-    RowRuns const pieces = split_at_slots(arrived, st.s3_recv_runs);
-    agree(ep.comm(), problem_of([&] {
-            auto const& placement = this->placement_;
-            st.s3_fine_recv_runs.assign(static_cast<std::size_t>(S), {});
-            for (int k = 0; k < S; ++k)
-              for (auto const& [first, n] : pieces[static_cast<std::size_t>(k)]) {
-                RowMeta const& m = arrived[static_cast<std::size_t>(first)];
-                bool const mine = m.slot >= 0 && m.slot < placement.num_slots() && m.dest_rank == this->me_ &&
-                                  placement.slots()[static_cast<std::size_t>(m.slot)].rank == this->me_ && m.origin_rank >= 0 &&
-                                  m.origin_rank < comms.topology().size();
-                KOKKOSMOE_REQUIRE(mine, "hierarchical dispatch: relay " << node.global_rank(k) << " forwarded to rank " << this->me_
-                                                                        << " rows for slot " << m.slot << " of rank " << m.dest_rank);
-                auto const& run = st.expert.expert_runs[static_cast<std::size_t>(ep.slot_of(m.origin_rank))]
-                                                       [static_cast<std::size_t>(placement.local_index(m.slot))];
-                KOKKOSMOE_REQUIRE(run.second == n, "hierarchical dispatch: " << n << " rows of rank " << m.origin_rank << " for slot "
-                                                                             << m.slot << " arrived at rank " << this->me_
-                                                                             << " together, it announced " << run.second);
-                st.s3_fine_recv_runs[static_cast<std::size_t>(k)].push_back({run.first, n});
-              }
-          }),
-          "hierarchical dispatch stage 3 runs", this->config_.watchdog_seconds);
+    // then the stage-3 arrivals. A failed count agreement of one node rides
+    // on the agreement over EP below, so every rank fails alike.
+    index_t const nd = Impl::total(st.d1_recv), no = Impl::total(st.s2_own_recv);
+    index_t n3 = 0;
+    meta_view fin_meta;
+    std::string const problem = problem_of([&] {
+      auto const agreed = agree_counts_and_runs(node, st.s3.send_counts, n2, st.s3_runs, comms.topology().num_nodes() * max_node_,
+                                                "hierarchical dispatch stage 3 counts", this->options());
+      st.s3.recv_counts = agreed.recv;
+      st.s3_recv_runs = consecutive_runs(agreed.recv_run_lengths);
+      n3 = Impl::total(st.s3.recv_counts);
+      fin_meta = this->work_.template vector<RowMeta>(exec, "final_meta", nd + no + n3);
+      meta_view const r3_meta = Kokkos::subview(fin_meta, std::pair<index_t, index_t>(nd + no, nd + no + n3));
+      this->transport_->alltoallv(exec, node, {record_rows(f.r2_meta, r3_meta, st.s3_runs, st.s3_recv_runs)}, st.s3.send_counts,
+                                  st.s3.recv_counts, "hierarchical dispatch stage 3 metadata", this->options());
+      st.s3_fine_send_runs = split_at_slots(n2 > 0 ? Impl::host_vector(f.r2_meta) : std::vector<RowMeta>{}, st.s3_runs);
+      std::vector<RowMeta> const arrived = n3 > 0 ? Impl::host_vector(r3_meta) : std::vector<RowMeta>{};
+      RowRuns const pieces = split_at_slots(arrived, st.s3_recv_runs);
+      auto const& placement = this->placement_;
+      st.s3_fine_recv_runs.assign(static_cast<std::size_t>(S), {});
+      for (int k = 0; k < S; ++k)
+        for (auto const& [first, n] : pieces[static_cast<std::size_t>(k)]) {
+          RowMeta const& m = arrived[static_cast<std::size_t>(first)];
+          bool const mine = m.slot >= 0 && m.slot < placement.num_slots() && m.dest_rank == this->me_ &&
+                            placement.slots()[static_cast<std::size_t>(m.slot)].rank == this->me_ && m.origin_rank >= 0 &&
+                            m.origin_rank < comms.topology().size();
+          KOKKOSMOE_REQUIRE(mine, "hierarchical dispatch: relay " << node.global_rank(k) << " forwarded to rank " << this->me_
+                                                                  << " rows for slot " << m.slot << " of rank " << m.dest_rank);
+          auto const& run = st.expert.expert_runs[static_cast<std::size_t>(ep.slot_of(m.origin_rank))]
+                                                 [static_cast<std::size_t>(placement.local_index(m.slot))];
+          KOKKOSMOE_REQUIRE(run.second == n, "hierarchical dispatch: " << n << " rows of rank " << m.origin_rank << " for slot "
+                                                                       << m.slot << " arrived at rank " << this->me_
+                                                                       << " together, it announced " << run.second);
+          st.s3_fine_recv_runs[static_cast<std::size_t>(k)].push_back({run.first, n});
+        }
+    });
+    agree(ep.comm(), problem, "hierarchical dispatch stage 3 runs", this->config_.watchdog_seconds);
     RowSet<MS> rows{f.r2.bytes, this->row_bytes_of(h.expert_rows), st.s3_fine_send_runs, st.s3_fine_recv_runs};
     rows.owners = h.expert_rows;
     this->transport_->alltoallv(exec, node, {rows}, st.s3.send_counts, st.s3.recv_counts, "hierarchical dispatch stage 3 rows",

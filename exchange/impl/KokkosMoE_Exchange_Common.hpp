@@ -162,9 +162,11 @@ class ExchangeBase {
 
   /// Local checks of a dispatch's inputs (the caller agrees on the result):
   /// the plans belong to this rank, this placement and the EP peer order, and
-  /// hidden holds the routes' tokens in the configured width.
+  /// hidden holds the routes' tokens in the configured width; with
+  /// slot_runs, the plan has every peer's slot runs.
   template <class T>
-  void check_dispatch(DispatchHandle<T, MemorySpace>& h, RowMatrix<T, MemorySpace> const& hidden, int waves) const {
+  void check_dispatch(DispatchHandle<T, MemorySpace>& h, RowMatrix<T, MemorySpace> const& hidden, int waves,
+                      bool slot_runs = false) const {
     auto const& ep = comms_->ep();
     std::string const name = to_string(algorithm_);
     KOKKOSMOE_REQUIRE(h.wave >= 0 && h.wave < waves, name << " dispatch: wave " << h.wave << " of " << waves);
@@ -175,6 +177,9 @@ class ExchangeBase {
                            << placement_.generation());
     KOKKOSMOE_REQUIRE(h.plan.rows() == h.routes.size(), name << " dispatch: the dispatch plan has " << h.plan.rows()
                                                              << " rows for " << h.routes.size() << " routes");
+    KOKKOSMOE_REQUIRE(!slot_runs || static_cast<int>(h.plan.slot_runs.size()) == ep.size(),
+                      name << " dispatch: the dispatch plan has slot runs for " << h.plan.slot_runs.size() << " of " << ep.size()
+                           << " peers");
     KOKKOSMOE_REQUIRE(static_cast<index_t>(hidden.extent(0)) == h.routes.num_tokens,
                       name << " dispatch: hidden has " << hidden.extent(0) << " rows for " << h.routes.num_tokens << " tokens");
     if (registry_) {
@@ -239,12 +244,8 @@ class ExchangeBase {
   std::string pack_local(Exec const& exec, DispatchHandle<T, MemorySpace>& h, RoutePlan<MemorySpace> const& routes,
                          DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden, int waves, bool slot_runs,
                          PayloadBuffer<MemorySpace>& send, Kokkos::View<RowMeta*, MemorySpace>& meta) {
-    int const P = comms_->ep().size();
     return problem_of([&] {
-      check_dispatch(h, hidden, waves);
-      KOKKOSMOE_REQUIRE(!slot_runs || static_cast<int>(plan.slot_runs.size()) == P,
-                        to_string(algorithm_) << " dispatch: the dispatch plan has slot runs for " << plan.slot_runs.size() << " of " << P
-                                              << " peers");
+      check_dispatch(h, hidden, waves, slot_runs);
       send = payload_buffer(work_, exec, "send", config_.payload, static_cast<int>(hidden.extent(1)), plan.rows());
       meta = work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
       pack(exec, routes, plan, hidden, send, meta);
