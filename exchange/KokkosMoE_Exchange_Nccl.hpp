@@ -138,6 +138,7 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
       roff[p + 1] = roff[p] + recv_counts[p];
     }
     for (auto const& s : sets) {
+      KOKKOSMOE_REQUIRE(!s.one_message, what << ": NCCL cannot move a peer's runs as one message (RowSet::one_message)");
       Impl::check_runs(s.send_runs, send_counts, static_cast<index_t>(s.send.extent(0)), "send", what);
       Impl::check_runs(s.recv_runs, recv_counts, static_cast<index_t>(s.recv.extent(0)), "receive", what);
       if (me >= 0 && send_counts[me] > 0 && !s.self_in_place)

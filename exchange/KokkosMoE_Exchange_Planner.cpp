@@ -398,11 +398,15 @@ std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in) {
   auto const nor = nodes_of(topo);
   auto const shapes = pooled_wave_shapes(config, N, payload_row_bytes(in.config.payload, in.width),
                                          payload_row_bytes(in.config.return_payload, in.width));
-  std::int64_t const H = shapes.header_rows;
   int const W = config.waves;
   int const L = config.local_experts;
   std::int64_t const Rs = shapes.sender_pool_rows, Rr = shapes.receiver_expert_rows;
   auto const& order = layout.ep_order;
+  // Over MPI, rows of the rows' own type go straight to and from the expert
+  // rows, after headers of their own (PooledWaveExchange::direct_rows).
+  bool const direct = receives_into_experts(in) && in.config.transport == TransportKind::mpi;
+  std::int64_t const id_bytes = direct ? pooled_wave_id_span(Rs, L) : 0;
+  std::int64_t const flag_bytes = direct ? pooled_wave_flag_bytes(Rs) : 0;
   // seq[s][d]: local slot ids of s's routes to d in stable route order.
   std::vector<std::vector<std::vector<int>>> seq(static_cast<std::size_t>(N), std::vector<std::vector<int>>(static_cast<std::size_t>(N)));
   for (int s = 0; s < N; ++s) {
@@ -421,11 +425,18 @@ std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in) {
     for (int w = 0; w < W; ++w) {
       // Rows this rank sends in wave w to each peer slot, and rows it keeps of
       // what every source sends it (receiver compaction in (source, row) order).
-      std::vector<std::int64_t> useful(order.size(), 0), kept_from(order.size(), 0);
+      // Direct rows travel in one run per local expert.
+      std::vector<std::int64_t> useful(order.size(), 0), kept_from(order.size(), 0), runs(order.size(), 0);
       for (std::size_t p = 0; p < order.size(); ++p) {
         auto const& mine = seq[static_cast<std::size_t>(me)][static_cast<std::size_t>(order[p])];
+        std::vector<bool> expert(static_cast<std::size_t>(L), false);
         for (std::int64_t j = 0; j < Rs; ++j)
-          if (j * W + w < static_cast<std::int64_t>(mine.size())) ++useful[p];
+          if (j * W + w < static_cast<std::int64_t>(mine.size())) {
+            ++useful[p];
+            auto const e = static_cast<std::size_t>(mine[static_cast<std::size_t>(j * W + w)]);
+            runs[p] += expert.at(e) ? 0 : 1;
+            expert[e] = true;
+          }
       }
       std::vector<std::int64_t> per_expert(static_cast<std::size_t>(L), 0);
       for (std::size_t p = 0; p < order.size(); ++p) {
@@ -441,31 +452,17 @@ std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in) {
             ++receiver_drops;
         }
       }
-      StageLedger st{"wave " + std::to_string(w), "kmoe-ep"};
-      add_sends(st, useful, order, me, nor, l.row_bytes, 0);
-      StageLedger back{"wave " + std::to_string(w) + " (return)", "kmoe-ep"};
-      st.self_in_place = back.self_in_place = true;  // the own pool is written into the receive buffer
-      add_sends(back, kept_from, order, me, nor, l.combine_row_bytes, 0);
-      for (std::size_t p = 0; p < order.size(); ++p) {
-        int const g = order[p];
-        auto const cls = g == me ? LinkClass::same_rank
-                         : nor[static_cast<std::size_t>(g)] == nor[static_cast<std::size_t>(me)] ? LinkClass::intra_node
-                                                                                                  : LinkClass::inter_node;
-        st.padding_rows += Rs - useful[p];
-        st.header_rows += H;
-        st.by_class[static_cast<int>(cls)].meta_bytes += H * l.row_bytes;
-        if (useful[p] == 0) st.by_class[static_cast<int>(cls)].messages += 1;
-        back.padding_rows += Rs - kept_from[p];
-        back.header_rows += H;
-        back.by_class[static_cast<int>(cls)].meta_bytes += H * l.combine_row_bytes;
-        if (kept_from[p] == 0) back.by_class[static_cast<int>(cls)].messages += 1;
-      }
+      auto const st = pooled_wave_stage("wave " + std::to_string(w), "kmoe-ep", useful, order, me, nor, l.row_bytes, shapes, id_bytes,
+                                        direct ? &runs : nullptr);
+      auto const back = pooled_wave_stage("wave " + std::to_string(w) + " (return)", "kmoe-ep", kept_from, order, me, nor,
+                                          l.combine_row_bytes, shapes, flag_bytes);
       l.dispatch.stages.push_back(st);
       l.combine.stages.push_back(back);
     }
     std::int64_t const A = static_cast<std::int64_t>(routes[static_cast<std::size_t>(me)].dest.size());
     l.dispatch.sender_drops = sender_drops;
     l.dispatch.receiver_drops = receiver_drops;
+    l.dispatch.rows_in_place = l.combine.rows_in_place = direct;
     l.dispatch.useful_rows = (A - sender_drops) - receiver_drops;
     l.combine.useful_rows = l.dispatch.useful_rows;
   }

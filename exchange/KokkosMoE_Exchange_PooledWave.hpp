@@ -33,6 +33,21 @@
 /// pools. A rank's pool for itself is written straight into its receive
 /// buffer (the shapes are uniform, so it lands where it is sent from): no
 /// self copy.
+///
+/// Over MPI, where both payloads are the rows' own type (direct_rows), no
+/// row is copied but the pack: a pool's header travels first, as a message
+/// of its own; from the headers a receiver knows where every row of the
+/// wave goes. A pool's rows that carry routes are packed by local expert
+/// (stably), so a source's rows of one expert travel as one run straight
+/// into their expert rows (with receiver drops into spare rows past them,
+/// whose kept prefix is moved into place after; the own pool is packed
+/// straight into its expert rows from hidden). The
+/// results leave from the expert outputs, after their flags, as one
+/// message per peer straight into the return rows of their routes (rows of
+/// routes without a result are zeroed). The static shapes, the waves, which
+/// routes are dropped, and the bits are the same as with in-band headers.
+/// A message whose two sides cut it into different runs is what MPI's
+/// derived datatypes allow (RowSet::one_message); NCCL keeps in-band headers.
 
 #include <KokkosMoE_CountingSort.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
@@ -58,9 +73,11 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     Kokkos::View<index_t**, Kokkos::LayoutRight, MS> pool_route;  ///< [P, Rs] route at (destination slot, pool row), or -1
     index_view position;    ///< [A] route's position among the routes to its destination
     index_view compact_of;  ///< [P * Rs] receiver: expert row of received pool row x, or -1 (empty or dropped)
-    index_view source_of;   ///< [rows] receiver: received row of expert row c
     std::vector<index_t> sent_rows;      ///< [P] rows with a route in the pool for each destination slot (a prefix)
     std::vector<index_t> received_rows;  ///< [P] receiver: rows with a route in each source slot's pool (a prefix)
+    bool direct = false;                 ///< rows went straight to the expert rows (direct_rows)
+    std::vector<index_t> compact_host;   ///< direct: host copy of compact_of
+    std::vector<std::int64_t> sent_runs; ///< direct: [P] runs (local experts) of the rows for each destination slot
   };
 
   PooledWaveExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},
@@ -87,6 +104,14 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
   }
   PooledWaveConfig const& shape() const { return shape_; }
 
+  /// \brief Whether rows of type T go straight to and from the expert rows:
+  /// both payloads T's own (ExchangeConfig::receive_into_experts) over a
+  /// transport that moves a peer's runs as one message (MPI).
+  template <class T>
+  bool direct_rows() const {
+    return this->template receives_into_experts<T>() && this->transport_->gathers_runs();
+  }
+
   /// \brief Collective over the EP communicator: wave `wave` of the routes.
   /// Throws (on every rank) when a rank has more tokens than the static
   /// tokens_per_rank, more local slots than L, a header row cannot hold a
@@ -106,13 +131,20 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     h.ledger = this->new_ledger(d);
     State st;
     st.shapes = shapes_for(d);
+    st.direct = direct_rows<T>();
     std::int64_t const wave_routes = stripe(exec, st, routes, wave, h.ledger);
-    auto send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, pool_buffer_rows(st));
-    auto recv = payload_buffer(this->work_, exec, "recv", this->config_.payload, d, pool_buffer_rows(st));
-    build_pools(exec, st, routes, hidden, send, recv);
-    move_pools(exec, st, send, recv, st.sent_rows, "pooled-wave dispatch rows");
-    h.ledger.dispatch.stages.push_back(wave_stage(st, wave, send.row_bytes(), false));
-    std::int64_t const receiver_drops = compact(exec, st, h, recv);
+    std::int64_t receiver_drops = 0;
+    if (st.direct) {
+      receiver_drops = dispatch_direct(exec, st, h, routes, hidden);
+    } else {
+      auto send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, pool_buffer_rows(st));
+      auto recv = payload_buffer(this->work_, exec, "recv", this->config_.payload, d, pool_buffer_rows(st));
+      build_pools(exec, st, routes, hidden, send, recv);
+      move_pools(exec, st, send, recv, st.sent_rows, "pooled-wave dispatch rows");
+      receiver_drops = compact(exec, st, h, recv);
+    }
+    h.ledger.dispatch.stages.push_back(wave_stage(st, wave, payload_row_bytes(this->config_.payload, d), false));
+    h.ledger.dispatch.rows_in_place = st.direct;
     h.ledger.dispatch.stages.back().seconds = timer.seconds();
     h.ledger.dispatch.receiver_drops = receiver_drops;
     // Routes delivered: what this rank sent minus what it dropped on receipt
@@ -139,13 +171,18 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     Kokkos::Timer timer;
     int const d = static_cast<int>(h.expert_rows.extent(1));
     this->set_combine_format(h.ledger, d);
-    auto back = payload_buffer(this->work_, exec, "back", this->config_.return_payload, d, pool_buffer_rows(*st));
-    auto got = payload_buffer(this->work_, exec, "got", this->config_.return_payload, d, pool_buffer_rows(*st));
-    return_pools(exec, *st, expert_out, back, got);
-    move_pools(exec, *st, back, got, st->received_rows, "pooled-wave combine rows");
-    h.ledger.combine.stages.push_back(wave_stage(*st, h.wave, back.row_bytes(), true));
-    collect(exec, *st, h, got, returned);
+    if (st->direct) {
+      combine_direct(exec, *st, h, expert_out, returned);
+    } else {
+      auto back = payload_buffer(this->work_, exec, "back", this->config_.return_payload, d, pool_buffer_rows(*st));
+      auto got = payload_buffer(this->work_, exec, "got", this->config_.return_payload, d, pool_buffer_rows(*st));
+      return_pools(exec, *st, expert_out, back, got);
+      move_pools(exec, *st, back, got, st->received_rows, "pooled-wave combine rows");
+      collect(exec, *st, h, got, returned);
+    }
     Compat::fence(exec, "KokkosMoE::PooledWave: wave collected");
+    h.ledger.combine.stages.push_back(wave_stage(*st, h.wave, returned.row_bytes(), true));
+    h.ledger.combine.rows_in_place = st->direct;
     h.ledger.combine.stages.back().seconds = timer.seconds();
     h.combined = true;
   }
@@ -263,18 +300,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
   template <class T>
   void build_pools(Exec const& exec, State const& st, RoutePlan<MS> const& routes, RowMatrix<T, MS> const& hidden,
                    PayloadBuffer<MS> const& send, PayloadBuffer<MS> const& recv) {
-    int const P = this->comms_->ep().size();
-    index_t const Rs = st.shapes.sender_pool_rows;
     index_t const H = st.shapes.header_rows;
     index_t const pool = st.shapes.pool_rows_with_header;
-    int const L = shape_.local_experts;
-    int const bits = pooled_wave_id_bits(L);
-    auto sb = send.bytes;
-    auto rb = recv.bytes;
     int const me = this->comms_->ep().my_slot();
     auto pool_route = st.pool_route;
-    auto local_id = local_id_;
-    auto slot = routes.slot;
     auto token = routes.token;
     // Every row once: a route's row encoded from hidden, header rows zero
     // (no separate clearing pass); padding rows (never read) are left as
@@ -294,10 +323,28 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           return pool_target(r, pool, me);
         },
         MissingRow::zero, "KokkosMoE::PooledWave::pack");
-    // One thread per pool packs its ids (bits wide, little-endian).
+    write_ids(exec, st, routes, send.bytes, recv.bytes, pool);
+  }
+
+  /// The pools' headers: for each destination slot q, the packed local ids
+  /// of its pool rows (bits wide, little-endian; L marks an empty row) at
+  /// row q * stride of `to` (of `own` for this rank's pool, which is read
+  /// where it is written), over the bytes the ids span.
+  void write_ids(Exec const& exec, State const& st, RoutePlan<MS> const& routes, typename RowSet<MS>::rows_view const& to,
+                 typename RowSet<MS>::rows_view const& own, index_t stride) {
+    int const P = this->comms_->ep().size();
+    int const me = this->comms_->ep().my_slot();
+    index_t const Rs = st.shapes.sender_pool_rows;
+    int const L = shape_.local_experts;
+    int const bits = pooled_wave_id_bits(L);
+    index_t const span = pooled_wave_id_span(Rs, L);
+    auto pool_route = st.pool_route;
+    auto local_id = local_id_;
+    auto slot = routes.slot;
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::headers", Kokkos::RangePolicy<Exec>(exec, 0, P), KOKKOS_LAMBDA(int q) {
-          unsigned char* hdr = q == me ? &rb(q * pool, 0) : &sb(q * pool, 0);
+          unsigned char* hdr = q == me ? &own(q * stride, 0) : &to(q * stride, 0);
+          for (index_t b = 0; b < span; ++b) hdr[b] = 0;
           std::uint32_t acc = 0;
           int filled = 0;
           index_t at = 0;
@@ -317,15 +364,12 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     Compat::fence(exec, "KokkosMoE::PooledWave: headers");
   }
 
-  /// Ledger stage of one wave's pools: every peer gets a full pool; useful
-  /// rows carry a route, the rest is padding, plus one header row each.
+  /// Ledger stage of one wave's pools: useful rows carry a route (back: a
+  /// result), the rest of a pool is padding (pooled_wave_stage).
   StageLedger wave_stage(State const& st, int wave, std::int64_t row_bytes, bool back) const {
     auto const& ep = this->comms_->ep();
     int const P = ep.size();
     index_t const Rs = st.shapes.sender_pool_rows;
-    index_t const H = st.shapes.header_rows;
-    int const me = this->me_;
-    auto const& nor = this->node_of_rank_;
     std::vector<std::int64_t> useful(static_cast<std::size_t>(P), 0);
     if (!back) {
       auto const hp = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.pool_route);
@@ -337,43 +381,39 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
       for (int s = 0; s < P; ++s)
         for (index_t j = 0; j < Rs; ++j) useful[static_cast<std::size_t>(s)] += hc[static_cast<std::size_t>(s * Rs + j)] >= 0 ? 1 : 0;
     }
-    StageLedger sl{"wave " + std::to_string(wave) + (back ? " (return)" : ""), ep.name()};
-    sl.self_in_place = true;  // the own pool is written into the receive buffer
-    add_sends(sl, useful, ep.peer_order(), me, nor, row_bytes, 0);
-    for (int q = 0; q < P; ++q) {
-      sl.padding_rows += Rs - useful[static_cast<std::size_t>(q)];
-      sl.header_rows += H;
-      int const g = ep.global_rank(q);
-      auto const c = g == me ? LinkClass::same_rank
-                     : nor[static_cast<std::size_t>(g)] == nor[static_cast<std::size_t>(me)] ? LinkClass::intra_node
-                                                                                              : LinkClass::inter_node;
-      sl.by_class[static_cast<int>(c)].meta_bytes += H * row_bytes;
-      if (useful[static_cast<std::size_t>(q)] == 0) sl.by_class[static_cast<int>(c)].messages += 1;  // the pool moves even when empty
-    }
-    return sl;
+    std::int64_t const header_bytes =
+        !st.direct ? 0 : back ? pooled_wave_flag_bytes(Rs) : pooled_wave_id_span(Rs, shape_.local_experts);
+    // Direct rows leave in one run per local expert (results: one message).
+    bool const runs = st.direct && !back;
+    return pooled_wave_stage("wave " + std::to_string(wave) + (back ? " (return)" : ""), ep.name(), useful, ep.peer_order(), this->me_,
+                             this->node_of_rank_, row_bytes, st.shapes, header_bytes, runs ? &st.sent_runs : nullptr);
   }
 
-  /// Receiver: the wave's rows compacted per local expert in (source, pool
-  /// row) order, the first expert_rows rows of each expert kept and decoded
-  /// into the handle's expert rows. Returns the receiver drops.
+  /// The receiver's arrangement of a wave (arrange).
+  struct Arrivals {
+    std::vector<index_t> offsets;  ///< [L + 1] kept rows per local expert id, as offsets
+    std::int64_t drops = 0;        ///< receiver drops
+    Kokkos::View<int*, MS> ids;    ///< [P * Rs] local expert id of each source's pool row (L: none)
+  };
+
+  /// Receiver: the wave's layout from the pools' headers (source slot s's at
+  /// row s * stride of hdr). Per local expert, its rows in (source, pool row)
+  /// order, the first expert_rows of them kept: sets st.received_rows,
+  /// st.compact_of (expert row of each pool row, or -1) and h.arrival_key.
   template <class T>
-  std::int64_t compact(Exec const& exec, State& st, DispatchHandle<T, MS>& h, PayloadBuffer<MS> const& recv) {
-    auto const& ep = this->comms_->ep();
-    int const P = ep.size();
+  Arrivals arrange(Exec const& exec, State& st, DispatchHandle<T, MS>& h, typename RowSet<MS>::rows_view const& hdr, index_t stride) {
+    int const P = this->comms_->ep().size();
     int const L = shape_.local_experts;
     int const bits = pooled_wave_id_bits(L);
     index_t const Rs = st.shapes.sender_pool_rows;
     index_t const Rr = st.shapes.receiver_expert_rows;
-    index_t const H = st.shapes.header_rows;
-    index_t const pool = st.shapes.pool_rows_with_header;
     index_t const n_pool = static_cast<index_t>(P) * Rs;
     auto ekey = this->work_.template vector<int>(exec, "expert_key", n_pool);
-    auto rb = recv.bytes;
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::read_headers", Kokkos::RangePolicy<Exec>(exec, 0, n_pool), KOKKOS_LAMBDA(index_t x) {
           int const s = static_cast<int>(x / Rs);
           index_t const j = x % Rs;
-          int const id = Impl::read_packed_id(&rb(s * pool, 0), j, bits);
+          int const id = Impl::read_packed_id(&hdr(s * stride, 0), j, bits);
           ekey(x) = id < L ? id : L;
         });
     // Rows with a route per source pool: the prefix before the first empty id.
@@ -389,23 +429,22 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     index_view e_off("KokkosMoE::PooledWave::e_off", L + 2);
     stable_counting_sort(exec, ekey, L + 1, by_expert, e_off, "KokkosMoE::PooledWave::by_expert");
     auto const he = Impl::host_vector(e_off);
-    std::vector<index_t> offsets(static_cast<std::size_t>(L) + 1, 0);
-    std::int64_t receiver_drops = 0;
+    Arrivals out;
+    out.ids = ekey;
+    out.offsets.assign(static_cast<std::size_t>(L) + 1, 0);
     for (int q = 0; q < L; ++q) {
       index_t const n = he[q + 1] - he[q];
       index_t const kept = n < Rr ? n : Rr;
-      receiver_drops += n - kept;
-      offsets[q + 1] = offsets[q] + kept;
+      out.drops += n - kept;
+      out.offsets[q + 1] = out.offsets[q] + kept;
     }
-    auto offsets_d = Impl::device_vector<MS>(offsets, "KokkosMoE::PooledWave::offsets");
-    index_t const used = offsets[static_cast<std::size_t>(L)];
+    auto offsets_d = Impl::device_vector<MS>(out.offsets, "KokkosMoE::PooledWave::offsets");
+    index_t const used = out.offsets[static_cast<std::size_t>(L)];
     st.compact_of = index_view("KokkosMoE::PooledWave::compact_of", n_pool);
-    st.source_of = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::source_of"), used);
     h.arrival_key = Kokkos::View<std::int64_t*, MS>(
         Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::arrival_key"), used);
     Kokkos::deep_copy(exec, st.compact_of, -1);
     auto compact_of = st.compact_of;
-    auto source_of = st.source_of;
     auto arrival_key = h.arrival_key;
     index_t const W = shape_.waves, wave = h.wave;
     Kokkos::parallel_for(
@@ -417,23 +456,268 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           if (i >= Rr) return;
           index_t const c = offsets_d(q) + i;
           compact_of(x) = c;
-          source_of(c) = (x / Rs) * pool + H + (x % Rs);
           // Pool row j of a source holds its route j * W + wave to this rank.
           arrival_key(c) = static_cast<std::int64_t>(x / Rs) << 32 | static_cast<std::int64_t>((x % Rs) * W + wave);
         });
-    // This rank's own slots (ids beyond them never arrive here).
+    Compat::fence(exec, "KokkosMoE::PooledWave: arranged");
+    return out;
+  }
+
+  /// Rows kept per slot of this rank (ids beyond its slots never arrive
+  /// here: throws when some did).
+  std::vector<index_t> kept_per_slot(Arrivals const& arrivals) const {
     int const L_me = this->placement_.num_slots_of_rank(this->me_);
-    agree(ep.comm(), problem_of([&] {
-            KOKKOSMOE_REQUIRE(used == offsets[static_cast<std::size_t>(L_me)],
-                              "pooled-wave: rows arrived for local expert ids beyond this rank's " << L_me << " slots");
-            std::vector<index_t> counts(static_cast<std::size_t>(L_me));
-            for (int q = 0; q < L_me; ++q) counts[static_cast<std::size_t>(q)] = offsets[q + 1] - offsets[q];
-            this->set_expert_rows(exec, h, counts, recv.width);
+    auto const& off = arrivals.offsets;
+    KOKKOSMOE_REQUIRE(off.back() == off[static_cast<std::size_t>(L_me)],
+                      "pooled-wave: rows arrived for local expert ids beyond this rank's " << L_me << " slots");
+    std::vector<index_t> counts(static_cast<std::size_t>(L_me));
+    for (int q = 0; q < L_me; ++q) counts[static_cast<std::size_t>(q)] = off[q + 1] - off[q];
+    return counts;
+  }
+
+  /// Receiver: the wave's rows compacted per local expert in (source, pool
+  /// row) order, the first expert_rows rows of each expert kept and decoded
+  /// into the handle's expert rows. Returns the receiver drops.
+  template <class T>
+  std::int64_t compact(Exec const& exec, State& st, DispatchHandle<T, MS>& h, PayloadBuffer<MS> const& recv) {
+    auto const arrivals = arrange(exec, st, h, recv.bytes, st.shapes.pool_rows_with_header);
+    index_t const Rs = st.shapes.sender_pool_rows;
+    index_t const H = st.shapes.header_rows;
+    index_t const pool = st.shapes.pool_rows_with_header;
+    index_t const n_pool = static_cast<index_t>(this->comms_->ep().size()) * Rs;
+    // The received row of each expert row.
+    auto source_of = this->work_.template vector<index_t>(exec, "source_of", arrivals.offsets.back());
+    auto compact_of = st.compact_of;
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::source_of", Kokkos::RangePolicy<Exec>(exec, 0, n_pool), KOKKOS_LAMBDA(index_t x) {
+          index_t const c = compact_of(x);
+          if (c >= 0) source_of(c) = (x / Rs) * pool + H + (x % Rs);
+        });
+    agree(this->comms_->ep().comm(), problem_of([&] {
+            this->set_expert_rows(exec, h, kept_per_slot(arrivals), recv.width);
             gather_rows(exec, recv, source_of, h.expert_rows, "KokkosMoE::PooledWave::compact_rows");
           }),
           "pooled-wave compaction", this->config_.watchdog_seconds);
     Compat::fence(exec, "KokkosMoE::PooledWave: compacted");
-    return receiver_drops;
+    return arrivals.drops;
+  }
+
+  /// Headers, one message of `out`'s row bytes per peer: row q of `out` to
+  /// peer slot q (the own one is in place in `in`, at row me).
+  void exchange_headers(Exec const& exec, typename RowSet<MS>::rows_view const& out, typename RowSet<MS>::rows_view const& in,
+                        char const* what) {
+    auto const& ep = this->comms_->ep();
+    std::vector<index_t> const one(static_cast<std::size_t>(ep.size()), 1);
+    this->transport_->alltoallv(exec, ep, {RowSet<MS>{out, in, {}, {}, /*self_in_place=*/true}}, one, one, what, this->options());
+  }
+
+  /// Appends one row to a peer's runs (extending the last run where adjacent).
+  static void add_row(std::vector<std::pair<index_t, index_t>>& runs, index_t row) {
+    if (!runs.empty() && runs.back().first + runs.back().second == row)
+      ++runs.back().second;
+    else
+      runs.push_back({row, 1});
+  }
+
+  /// Dispatch of a wave whose rows go straight to the expert rows (see the
+  /// file's description): pack, headers, layout, rows. Returns the receiver
+  /// drops.
+  template <class T>
+  std::int64_t dispatch_direct(Exec const& exec, State& st, DispatchHandle<T, MS>& h, RoutePlan<MS> const& routes,
+                               RowMatrix<T, MS> const& hidden) {
+    auto const& ep = this->comms_->ep();
+    int const P = ep.size();
+    int const me = ep.my_slot();
+    int const d = static_cast<int>(hidden.extent(1));
+    index_t const Rs = st.shapes.sender_pool_rows;
+    int const L = shape_.local_experts;
+    index_t const n_pool = static_cast<index_t>(P) * Rs;
+    // Each pool's rows by local expert (stable): a receiver takes a source's
+    // rows of one expert, which are consecutive expert rows, as one run.
+    auto pool_route = st.pool_route;
+    auto token = routes.token;
+    auto local_id = local_id_;
+    auto slot = routes.slot;
+    auto key = this->work_.template vector<int>(exec, "pool_key", n_pool);
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::pool_keys", Kokkos::RangePolicy<Exec>(exec, 0, n_pool), KOKKOS_LAMBDA(index_t x) {
+          int const q = static_cast<int>(x / Rs);
+          index_t const a = pool_route(q, x % Rs);
+          key(x) = q * (L + 1) + (a >= 0 ? local_id(slot(a)) : L);
+        });
+    auto by_id = this->work_.template vector<index_t>(exec, "by_id", n_pool);
+    index_view id_off("KokkosMoE::PooledWave::id_off", static_cast<index_t>(P) * (L + 1) + 1);
+    stable_counting_sort(exec, key, P * (L + 1), by_id, id_off, "KokkosMoE::PooledWave::by_id");
+    // The other ranks' pools in that order (no header rows), packed from
+    // hidden: pool q's rows are send rows [q * Rs, q * Rs + sent_rows[q]).
+    auto send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, n_pool);
+    KokkosMoE::Impl::move_rows(
+        exec, n_pool, KokkosMoE::Impl::row_access(hidden),
+        KOKKOS_LAMBDA(index_t p)->index_t {
+          index_t const x = by_id(p);
+          index_t const a = pool_route(static_cast<int>(x / Rs), x % Rs);
+          return a >= 0 ? static_cast<index_t>(token(a)) : -1;
+        },
+        KokkosMoE::Impl::row_access(send),
+        KOKKOS_LAMBDA(index_t p)->index_t {
+          index_t const x = by_id(p);
+          return x / Rs == me || pool_route(static_cast<int>(x / Rs), x % Rs) < 0 ? -1 : p;
+        },
+        MissingRow::skip, "KokkosMoE::PooledWave::pack");
+    // The headers first; from them, where every row of the wave goes.
+    index_t const span = pooled_wave_id_span(Rs, L);
+    auto ids_out = this->work_.template matrix<unsigned char>(exec, "ids_send", P, static_cast<std::size_t>(span));
+    auto ids_in = this->work_.template matrix<unsigned char>(exec, "ids_recv", P, static_cast<std::size_t>(span));
+    write_ids(exec, st, routes, ids_out, ids_in, 1);
+    exchange_headers(exec, ids_out, ids_in, "pooled-wave dispatch headers");
+    auto const arrivals = arrange(exec, st, h, ids_in, 1);
+    st.compact_host = Impl::host_vector(st.compact_of);
+    auto const ids = Impl::host_vector(arrivals.ids);
+    auto const sent_off = Impl::host_vector(id_off);
+    // One run per (peer, local expert) on both sides. A source's rows of an
+    // expert land in their expert rows when all are kept, else in spare rows
+    // past them (the kept ones, a prefix, are moved into place after).
+    index_t const used = arrivals.offsets.back();
+    std::vector<index_t> send_counts(static_cast<std::size_t>(P), 0), recv_counts(static_cast<std::size_t>(P), 0);
+    RowRuns send_runs(static_cast<std::size_t>(P)), recv_runs(static_cast<std::size_t>(P));
+    struct Move {
+      index_t from, to, rows;
+    };
+    std::vector<Move> straddling;
+    index_t spare = 0;
+    st.sent_runs.assign(static_cast<std::size_t>(P), 0);
+    std::vector<index_t> n(static_cast<std::size_t>(L)), kept(static_cast<std::size_t>(L)), first(static_cast<std::size_t>(L));
+    for (int q = 0; q < P; ++q) {
+      auto const k = static_cast<std::size_t>(q);
+      for (int e = 0; e < L; ++e) {
+        auto const b = sent_off[k * static_cast<std::size_t>(L + 1) + static_cast<std::size_t>(e)];
+        auto const rows = sent_off[k * static_cast<std::size_t>(L + 1) + static_cast<std::size_t>(e) + 1] - b;
+        if (rows == 0) continue;
+        ++st.sent_runs[k];
+        if (q != me) send_runs[k].push_back({b, rows});
+      }
+      if (q == me) continue;
+      send_counts[k] = st.sent_rows[k];
+      recv_counts[k] = st.received_rows[k];
+      std::fill(n.begin(), n.end(), 0);
+      std::fill(kept.begin(), kept.end(), 0);
+      for (index_t j = 0; j < recv_counts[k]; ++j) {
+        auto const x = static_cast<std::size_t>(q * Rs + j);
+        auto const e = static_cast<std::size_t>(ids[x]);
+        ++n[e];
+        if (st.compact_host[x] >= 0 && kept[e]++ == 0) first[e] = st.compact_host[x];
+      }
+      for (std::size_t e = 0; e < n.size(); ++e) {
+        if (n[e] == 0) continue;
+        if (kept[e] == n[e]) {
+          recv_runs[k].push_back({first[e], n[e]});
+          continue;
+        }
+        recv_runs[k].push_back({used + spare, n[e]});
+        if (kept[e] > 0) straddling.push_back({used + spare, first[e], kept[e]});
+        spare += n[e];
+      }
+    }
+    RowMatrix<T, MS> landing;
+    agree(ep.comm(), problem_of([&] { landing = this->set_expert_rows(exec, h, kept_per_slot(arrivals), d, spare); }),
+          "pooled-wave compaction", this->config_.watchdog_seconds);
+    // The own pool, from hidden straight into its expert rows.
+    auto compact_of = st.compact_of;
+    KokkosMoE::Impl::move_rows(
+        exec, st.sent_rows[static_cast<std::size_t>(me)], KokkosMoE::Impl::row_access(hidden),
+        KOKKOS_LAMBDA(index_t r)->index_t { return static_cast<index_t>(token(pool_route(me, r))); },
+        KokkosMoE::Impl::row_access(h.expert_rows), KOKKOS_LAMBDA(index_t r)->index_t { return compact_of(me * Rs + r); },
+        MissingRow::skip, "KokkosMoE::PooledWave::own_rows");
+    RowSet<MS> rows{send.bytes, this->row_bytes_of(landing), std::move(send_runs), std::move(recv_runs), /*self_in_place=*/true};
+    rows.owners = landing;
+    this->transport_->alltoallv(exec, ep, {rows}, send_counts, recv_counts, "pooled-wave dispatch rows", this->options());
+    for (auto const& m : straddling) copy_row_range(exec, landing, m.to, landing, m.from, m.rows);
+    return arrivals.drops;
+  }
+
+  /// Combine of a wave dispatched by dispatch_direct: the flags first, then
+  /// the results from the expert outputs straight into the return rows of
+  /// their routes; every other route of the wave gets zeros.
+  template <class T>
+  void combine_direct(Exec const& exec, State const& st, DispatchHandle<T, MS> const& h, RowMatrix<T, MS> const& expert_out,
+                      PayloadBuffer<MS> const& returned) {
+    auto const& ep = this->comms_->ep();
+    int const P = ep.size();
+    int const me = ep.my_slot();
+    index_t const Rs = st.shapes.sender_pool_rows;
+    index_t const W = shape_.waves, wave = h.wave;
+    index_t const fb = pooled_wave_flag_bytes(Rs);
+    auto flags_out = this->work_.template matrix<unsigned char>(exec, "flags_send", P, static_cast<std::size_t>(fb));
+    auto flags_in = this->work_.template matrix<unsigned char>(exec, "flags_recv", P, static_cast<std::size_t>(fb));
+    auto compact_of = st.compact_of;
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * fb),
+        KOKKOS_LAMBDA(index_t x) {
+          index_t const s = x / fb, byte = x % fb;
+          unsigned char flags = 0;
+          for (int b = 0; b < 8; ++b) {
+            index_t const j = byte * 8 + b;
+            if (j < Rs && compact_of(s * Rs + j) >= 0) flags = static_cast<unsigned char>(flags | (1u << b));
+          }
+          (s == me ? flags_in : flags_out)(s, byte) = flags;
+        });
+    exchange_headers(exec, flags_out, flags_in, "pooled-wave combine headers");
+    // The return row of each flagged pool row of every destination.
+    auto pool_route = st.pool_route;
+    auto inv = h.plan.inv;
+    auto back_row = this->work_.template vector<index_t>(exec, "back_row", static_cast<index_t>(P) * Rs);
+    Kokkos::parallel_for(
+        "KokkosMoE::PooledWave::back_rows", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * Rs), KOKKOS_LAMBDA(index_t x) {
+          int const q = static_cast<int>(x / Rs);
+          index_t const j = x % Rs;
+          index_t const a = pool_route(q, j);
+          back_row(x) = a >= 0 && ((flags_in(q, j / 8) >> (j % 8)) & 1u) != 0 ? static_cast<index_t>(inv(a)) : -1;
+        });
+    // This wave's routes to this rank take their results from the expert
+    // outputs; routes without a result (sender or receiver drops) zeros.
+    auto out = this->contiguous_rows(exec, expert_out);
+    auto position = st.position;
+    auto dest = h.routes.dest_rank;
+    auto ep_slot = ep_slot_;
+    KokkosMoE::Impl::move_rows(
+        exec, h.routes.size(), KokkosMoE::Impl::row_access(out),
+        KOKKOS_LAMBDA(index_t a)->index_t {
+          index_t const j = position(a) / W;
+          return ep_slot(dest(a)) == me && j < Rs ? compact_of(me * Rs + j) : -1;
+        },
+        KokkosMoE::Impl::row_access(returned),
+        KOKKOS_LAMBDA(index_t a)->index_t {
+          index_t const i = position(a);
+          if (i % W != wave) return -1;
+          int const q = ep_slot(dest(a));
+          index_t const j = i / W;
+          bool const arrives = q != me && j < Rs && ((flags_in(q, j / 8) >> (j % 8)) & 1u) != 0;
+          return arrives ? -1 : static_cast<index_t>(inv(a));
+        },
+        MissingRow::zero, "KokkosMoE::PooledWave::own_results");
+    auto const back_h = Impl::host_vector(back_row);
+    std::vector<index_t> send_counts(static_cast<std::size_t>(P), 0), recv_counts(static_cast<std::size_t>(P), 0);
+    RowRuns send_runs(static_cast<std::size_t>(P)), recv_runs(static_cast<std::size_t>(P));
+    for (int q = 0; q < P; ++q) {
+      auto const k = static_cast<std::size_t>(q);
+      if (q == me) continue;
+      for (index_t j = 0; j < st.received_rows[k]; ++j) {
+        index_t const c = st.compact_host[static_cast<std::size_t>(q * Rs + j)];
+        if (c < 0) continue;
+        add_row(send_runs[k], c);
+        ++send_counts[k];
+      }
+      for (index_t j = 0; j < st.sent_rows[k]; ++j) {
+        index_t const r = back_h[static_cast<std::size_t>(q * Rs + j)];
+        if (r < 0) continue;
+        add_row(recv_runs[k], r);
+        ++recv_counts[k];
+      }
+    }
+    RowSet<MS> rows{this->row_bytes_of(out), returned.bytes, std::move(send_runs), std::move(recv_runs), /*self_in_place=*/true,
+                    /*one_message=*/true};
+    rows.owners = out;
+    this->transport_->alltoallv(exec, ep, {rows}, send_counts, recv_counts, "pooled-wave combine rows", this->options());
   }
 
   /// Return pools: the header's bit j flags that pool row j carries a

@@ -47,8 +47,8 @@ PooledWaveShapes pooled_wave_shapes(PooledWaveConfig const& c, int ranks, std::i
   s.receiver_expert_rows = ceil_tolerant(c.receiver_cf * A / c.local_experts / c.waves, static_cast<index_t>(ranks) * s.sender_pool_rows);
   if (dispatch_row_bytes > 0 && return_row_bytes > 0) {
     // Reading an id touches up to 3 bytes from its first one.
-    std::int64_t const ids = pooled_wave_header_bytes(s.sender_pool_rows, c.local_experts) + 2;
-    std::int64_t const flags = (s.sender_pool_rows + 7) / 8;
+    std::int64_t const ids = pooled_wave_id_span(s.sender_pool_rows, c.local_experts);
+    std::int64_t const flags = pooled_wave_flag_bytes(s.sender_pool_rows);
     s.header_rows = std::max<std::int64_t>({1, (ids + dispatch_row_bytes - 1) / dispatch_row_bytes,
                                             (flags + return_row_bytes - 1) / return_row_bytes});
   }
@@ -65,6 +65,32 @@ int pooled_wave_id_bits(int local_experts) {
 
 std::int64_t pooled_wave_header_bytes(index_t pool_rows, int local_experts) {
   return (pool_rows * pooled_wave_id_bits(local_experts) + 7) / 8;
+}
+
+StageLedger pooled_wave_stage(std::string name, std::string communicator, std::vector<std::int64_t> const& rows,
+                              std::vector<int> const& peer_global, int me, std::vector<int> const& node_of_rank,
+                              std::int64_t row_bytes, PooledWaveShapes const& shapes, std::int64_t header_bytes,
+                              std::vector<std::int64_t> const* runs) {
+  StageLedger st{std::move(name), std::move(communicator)};
+  st.self_in_place = true;
+  add_sends(st, rows, peer_global, me, node_of_rank, row_bytes, 0, runs);
+  for (std::size_t p = 0; p < rows.size(); ++p) {
+    int const g = peer_global[p];
+    auto const c = g == me ? LinkClass::same_rank
+                   : node_of_rank[static_cast<std::size_t>(g)] == node_of_rank[static_cast<std::size_t>(me)] ? LinkClass::intra_node
+                                                                                                            : LinkClass::inter_node;
+    auto& x = st.by_class[static_cast<int>(c)];
+    st.padding_rows += shapes.sender_pool_rows - rows[p];
+    if (header_bytes == 0) {
+      st.header_rows += shapes.header_rows;
+      x.meta_bytes += shapes.header_rows * row_bytes;
+      if (rows[p] == 0) x.messages += 1;  // the pool moves even when empty
+    } else {
+      x.meta_bytes += header_bytes;
+      if (g != me) x.messages += 1;  // the header's own message
+    }
+  }
+  return st;
 }
 
 DropRates drop_rates(std::int64_t A, std::int64_t S, std::int64_t R) {

@@ -7,11 +7,14 @@
 /// and the drop rates of a ledger.
 
 #include <KokkosMoE_Exchange_Config.hpp>
+#include <KokkosMoE_Exchange_Ledger.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Placement.hpp>
 #include <KokkosMoE_Types.hpp>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace KokkosMoE {
 namespace Exchange {
@@ -55,6 +58,28 @@ int pooled_wave_id_bits(int local_experts);
 
 /// \brief Bytes of one header row holding pool_rows packed ids.
 std::int64_t pooled_wave_header_bytes(index_t pool_rows, int local_experts);
+
+/// \brief Bytes a pool's ids span where they are read (read_packed_id reads
+/// three-byte words: two bytes past the last id).
+inline std::int64_t pooled_wave_id_span(index_t pool_rows, int local_experts) {
+  return pooled_wave_header_bytes(pool_rows, local_experts) + 2;
+}
+
+/// \brief Bytes of a pool's return header: one flag bit per pool row.
+inline std::int64_t pooled_wave_flag_bytes(index_t pool_rows) { return (pool_rows + 7) / 8; }
+
+/// \brief The ledger stage of one wave on rank `me` (the exchange's and the
+/// planner's): rows[p] pool rows carry a route to (or, back, a result for)
+/// EP peer slot p (global rank peer_global[p]); the rest of each static pool
+/// is padding, which never travels over MPI. The own pool is written where
+/// it is read. A header travels in-band (header_bytes 0: H rows of each
+/// pool, which moves even without a route), or, where rows go straight to
+/// and from the expert rows, as a message of header_bytes before the rows.
+/// runs[p] (where given): the runs peer p's rows travel in (see add_sends).
+StageLedger pooled_wave_stage(std::string name, std::string communicator, std::vector<std::int64_t> const& rows,
+                              std::vector<int> const& peer_global, int me, std::vector<int> const& node_of_rank,
+                              std::int64_t row_bytes, PooledWaveShapes const& shapes, std::int64_t header_bytes,
+                              std::vector<std::int64_t> const* runs = nullptr);
 
 /// \brief Drop rates of a reduced ledger: S/A, R/A, (S+R)/A and R/(A-S).
 struct DropRates {

@@ -55,7 +55,7 @@ void check_runs(RowRuns const& runs, std::vector<index_t> const& counts, index_t
 
 void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, RowRuns const& send_runs,
-               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending, TransportOptions const& options) {
+               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending, TransportOptions const& options, bool one_message) {
   int const P = comm.size();
   int const me = comm.my_slot();
   if (row_bytes == 0) return;
@@ -70,7 +70,8 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
   // Runs of a peer travel as transfer_messages says: one contiguous message
   // per run (MPI keeps the order of messages between two ranks with one
   // tag), or one message of an indexed datatype. Both sides see the same
-  // run lengths, so they choose alike.
+  // run lengths, so they choose alike; with one_message both sides take one
+  // message (MPI matches the row counts, not the runs).
   auto post = [&](bool receive, unsigned char* base, std::vector<std::pair<index_t, index_t>> const& runs, int p) {
     std::size_t rows = 0, count = 0;
     for (auto const& [first, n] : runs)
@@ -79,8 +80,8 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
         ++count;
       }
     auto issue = [&](void* buf, int n, MPI_Datatype type) { Impl::post(comm, receive, buf, n, type, p, tag, pending, options); };
-    if (count > 1 && transfer_messages(static_cast<std::int64_t>(count), static_cast<std::int64_t>(rows),
-                                       static_cast<std::int64_t>(row_bytes)) == 1) {
+    if (count > 1 && (one_message || transfer_messages(static_cast<std::int64_t>(count), static_cast<std::int64_t>(rows),
+                                       static_cast<std::int64_t>(row_bytes)) == 1)) {
       std::vector<int> lengths, displs;
       for (auto const& [first, n] : runs)
         if (n > 0) {

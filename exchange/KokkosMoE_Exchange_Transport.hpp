@@ -58,6 +58,10 @@ inline std::vector<std::int64_t> runs_per_peer(RowRuns const& runs) {
 /// runs add up to its count. Runs on one side need runs on the other, but
 /// for a receive that takes up to its count (Transport::receives_up_to): one
 /// contiguous segment per peer, filled by the peer's one run.
+/// With one_message, each peer's runs travel as one message whatever their
+/// lengths (a derived datatype on each side; Transport::gathers_runs), so
+/// the two sides' runs need only add up to the same count: rows may leave
+/// from expert-major runs and land in rows of another order.
 /// With self_in_place, the caller's own rows are already where it wants
 /// them (written straight to the receive side, or read later from the send
 /// side): the transport copies nothing for them. A started transfer keeps
@@ -67,13 +71,19 @@ template <class MemorySpace>
 struct RowSet {
   using rows_view = Kokkos::View<unsigned char**, Kokkos::LayoutRight, MemorySpace>;
   RowSet() = default;
-  RowSet(rows_view s, rows_view r, RowRuns sr = {}, RowRuns rr = {}, bool self_in_place_ = false)
-      : send(std::move(s)), recv(std::move(r)), send_runs(std::move(sr)), recv_runs(std::move(rr)), self_in_place(self_in_place_) {}
+  RowSet(rows_view s, rows_view r, RowRuns sr = {}, RowRuns rr = {}, bool self_in_place_ = false, bool one_message_ = false)
+      : send(std::move(s)),
+        recv(std::move(r)),
+        send_runs(std::move(sr)),
+        recv_runs(std::move(rr)),
+        self_in_place(self_in_place_),
+        one_message(one_message_) {}
   rows_view send;
   rows_view recv;
   RowRuns send_runs;  ///< empty: contiguous segments by send counts
   RowRuns recv_runs;  ///< empty: contiguous segments by recv counts
   bool self_in_place = false;  ///< the rank's own rows need no copy
+  bool one_message = false;    ///< each peer's runs travel as one message (Transport::gathers_runs)
   std::any owners;  ///< what send and recv point into, where they are unmanaged
 };
 
@@ -205,7 +215,8 @@ std::uint64_t sent_rows_digest(Kokkos::View<unsigned char**, Kokkos::LayoutRight
 /// run. Self rows are not posted.
 void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, RowRuns const& send_runs,
-               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending, TransportOptions const& options = {});
+               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending, TransportOptions const& options = {},
+               bool one_message = false);
 
 /// The rank's own rows: its send runs copied to its receive runs, in order.
 template <class Exec, class DstView, class SrcView>
@@ -275,7 +286,7 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     int tag = 7000;
     for (auto const& s : sets)
       Impl::post_rows(comm, s.recv.data(), s.send.data(), s.send.extent(1), send_counts, recv_counts, s.send_runs, s.recv_runs,
-                      tag++, pending, options);
+                      tag++, pending, options, s.one_message);
     if (!start) {
       Impl::wait_all(comm, pending, what, options);
       return {};
@@ -315,13 +326,23 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     // Keep the self segment already written on the device: receive into the
     // host mirror, then copy only the peer segments back.
     Impl::post_rows(comm, hr[i].data(), hs[i].data(), sets[i].send.extent(1), send_counts, recv_counts, sets[i].send_runs,
-                    sets[i].recv_runs, tag++, pending, options);
+                    sets[i].recv_runs, tag++, pending, options, sets[i].one_message);
   }
   Impl::wait_all(comm, pending, what, options);
-  for (std::size_t i = 0; i < sets.size(); ++i)
+  for (std::size_t i = 0; i < sets.size(); ++i) {
+    // The peers' rows back, run by run; where runs are many (rows scattered
+    // one by one), the whole buffer in one copy (the host rows started as
+    // the device rows, so the rest is unchanged).
+    std::size_t runs = 0;
+    for (auto const& r : sets[i].recv_runs) runs += r.size();
+    if (runs > 4 * static_cast<std::size_t>(P)) {
+      Kokkos::deep_copy(exec, sets[i].recv, hr[i]);
+      continue;
+    }
     for (int p = 0; p < P; ++p)
       if (p != me && recv_counts[p] > 0)
         for (auto const& [first, n] : Impl::runs_of(sets[i].recv_runs, roff, p)) copy_row_range(exec, sets[i].recv, first, hr[i], first, n);
+  }
   Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: staged back");
   return {};
 }
@@ -341,6 +362,10 @@ class Transport {
   /// (no receive runs; a peer sends one run). MPI receives work so; NCCL
   /// pairs sends and receives of equal sizes only.
   virtual bool receives_up_to() const { return false; }
+  /// True when a peer's runs may travel as one message whose two sides cut
+  /// it into different runs (RowSet::one_message): MPI's derived datatypes
+  /// do; NCCL pairs sends and receives of equal contiguous sizes only.
+  virtual bool gathers_runs() const { return false; }
   /// Counts per peer slot of comm, already agreed; returns with the receive
   /// rows written (blocking on exec).
   virtual void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
@@ -363,6 +388,7 @@ class MpiTransport final : public Transport<Exec, MemorySpace> {
  public:
   TransportKind kind() const override { return TransportKind::mpi; }
   bool receives_up_to() const override { return true; }
+  bool gathers_runs() const override { return true; }
   void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                  std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
                  TransportOptions const& options) override {

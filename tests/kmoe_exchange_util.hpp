@@ -89,6 +89,9 @@ StepResult run_step(ExchangeT& xchg, KokkosMoE::Placement const& placement, Host
   Exec exec;
   auto const [rp, plan] = plans_of(xchg.communicators(), placement, routes, rank, id_base, origin_node);
   PayloadBuffer<MS> returned("test::returned", xchg.config().return_payload, static_cast<int>(hidden.extent(1)), plan.rows());
+  // Every row of the return buffer must be written by the combines (zeros
+  // for dropped routes): stale bytes would show as NaNs in the output.
+  Kokkos::deep_copy(returned.bytes, static_cast<unsigned char>(0xFF));
   StepResult r;
   for (int w = 0; w < xchg.waves(); ++w) {
     auto h = xchg.dispatch(exec, rp, plan, hidden, w);

@@ -315,6 +315,27 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
           auto rp = run_step(pooled, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
           auto op = to_host_vector(rp.out);
           CHECK(kmoe_test::same_bits(op, ref));
+          {
+            // In-band headers and compaction copies: the same bits, the same
+            // expert rows in the same order.
+            auto in_band = pc;
+            in_band.receive_into_experts = false;
+            PooledWaveExchange<> pb(comms, placement, in_band);
+            REQUIRE(pooled.direct_rows<float>());
+            REQUIRE_FALSE(pb.direct_rows<float>());
+            auto rb = run_step(pb, placement, routes, hidden, scale, rank, bases[rank], bases, nor[rank]);
+            CHECK(kmoe_test::same_bits(to_host_vector(rb.out), ref));
+            CHECK(rb.slot_counts == rp.slot_counts);
+            Exec exec;
+            auto const [route_plan, dispatch_plan] = plans_of(comms, placement, routes, rank, bases[rank], nor[rank]);
+            for (int w = 0; w < pooled.waves(); ++w) {
+              auto hd = pooled.dispatch(exec, route_plan, dispatch_plan, hidden, w);
+              auto hb = pb.dispatch(exec, route_plan, dispatch_plan, hidden, w);
+              CHECK(hd.expert_counts == hb.expert_counts);
+              CHECK(to_host_vector(hd.arrival_key) == to_host_vector(hb.arrival_key));
+              CHECK(kmoe_test::same_bits(to_host_vector(hd.expert_rows), to_host_vector(hb.expert_rows)));
+            }
+          }
           if (peer_order.empty() && R == 1) {
             // Rows staged through host copies (the path of device memory
             // without a CUDA-aware MPI): the same bits for every algorithm.
@@ -732,11 +753,26 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
         CHECK(rc.ledger.dispatch.inter_node_payload_bytes() == rh.ledger.dispatch.inter_node_payload_bytes());
       }
       PooledWaveExchange<> pooled(comms, placement, c);
+      REQUIRE(pooled.direct_rows<float>());
       auto rpw = run_step(pooled, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
       auto const planned = planned_of(Algorithm::pooled_wave);
       CHECK(untimed(rpw.ledger) == untimed(planned[static_cast<std::size_t>(rank)]));
       // Sums over ranks agree with the reduced measured ledger.
       CHECK(untimed(rpw.ledger.reduced(MPI_COMM_WORLD)) == untimed(sum_ledgers(planned)));
+      {
+        // In-band headers and the compaction copies: the same drops and
+        // outputs, the ledger the planner predicts for them.
+        auto copies = c;
+        copies.receive_into_experts = false;
+        copies.algorithm = Algorithm::pooled_wave;
+        PooledWaveExchange<> pc(comms, placement, copies);
+        REQUIRE_FALSE(pc.direct_rows<float>());
+        auto rc = run_step(pc, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+        CHECK(untimed(rc.ledger) == untimed(plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, copies, width})[static_cast<std::size_t>(rank)]));
+        CHECK(rc.ledger.dispatch.sender_drops == rpw.ledger.dispatch.sender_drops);
+        CHECK(rc.ledger.dispatch.receiver_drops == rpw.ledger.dispatch.receiver_drops);
+        CHECK(kmoe_test::same_bits(to_host_vector(rc.out), to_host_vector(rpw.out)));
+      }
     }
   }
 }
@@ -817,11 +853,14 @@ TEST_CASE("pooled-wave: narrow rows take several header rows; huge factors satur
   c.waves = 2;
   FlatExchange<> flat(comms, placement, c);
   auto const rf = run_step(flat, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+  for (bool in_band : {true, false})
   for (double cf : {4.0 * size, 1e19, 1e300}) {
-    INFO("capacity factors " << cf);
+    INFO("capacity factors " << cf << (in_band ? ", headers in band" : ", headers first, rows straight to the expert rows"));
     c.sender_cf = cf;
     c.receiver_cf = cf;
+    c.receive_into_experts = !in_band;
     PooledWaveExchange<> pooled(comms, placement, c);
+    REQUIRE(pooled.direct_rows<float>() == !in_band);
     auto const sh = pooled.shapes_for(1);
     CHECK(sh.header_rows > 1);
     CHECK(sh.sender_pool_rows <= 16 * 2);  // never more than a rank's routes
@@ -832,7 +871,17 @@ TEST_CASE("pooled-wave: narrow rows take several header rows; huge factors satur
     CHECK(kmoe_test::same_bits(of, op));
     auto const total = rp.ledger.reduced(MPI_COMM_WORLD);
     CHECK(total.dispatch.sender_drops + total.dispatch.receiver_drops == 0);
-    CHECK(total.dispatch.stages.at(0).header_rows == size * size * sh.header_rows);  // every rank sends P pools
+    if (in_band) {
+      CHECK(total.dispatch.stages.at(0).header_rows == size * size * sh.header_rows);  // every rank sends P pools
+    } else {
+      // Headers of their own: the ids' bytes to every peer, no header rows.
+      CHECK(total.dispatch.stages.at(0).header_rows == 0);
+      std::int64_t meta = 0;
+      for (int k = 0; k < num_link_classes; ++k) meta += total.dispatch.stages.at(0).by_class[static_cast<std::size_t>(k)].meta_bytes;
+      CHECK(meta == size * size * pooled_wave_id_span(sh.sender_pool_rows, pooled.shape().local_experts));
+      CHECK(total.dispatch.rows_in_place);
+      CHECK(total.combine.rows_in_place);
+    }
     // The planner agrees, header rows included.
     Exec exec;
     auto rp_plan = make_route_plan(exec, make_table(routes, experts), make_device_placement<MS>(placement),

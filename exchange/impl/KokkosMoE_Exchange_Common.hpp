@@ -18,6 +18,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace KokkosMoE {
@@ -115,7 +116,8 @@ class ExchangeBase {
 
   /// \brief Whether rows of type T go straight to and from the expert rows
   /// (ExchangeConfig::receive_into_experts, both payloads T's own
-  /// representation; the flat and hierarchical exchanges).
+  /// representation; the flat and hierarchical exchanges, and pooled-wave
+  /// over MPI).
   template <class T>
   bool receives_into_experts() const {
     return config_.receive_into_experts && KokkosMoE::Impl::same_representation<T>(config_.payload) &&
@@ -222,9 +224,12 @@ class ExchangeBase {
     });
   }
 
-  /// The expert-major receive side of a handle from per-slot counts.
+  /// The expert-major receive side of a handle from per-slot counts; with
+  /// spare_rows, rows past the expert rows in the same allocation (where
+  /// rows received but not kept land). Returns expert rows and spare rows.
   template <class T, class Exec2>
-  void set_expert_rows(Exec2 const& exec, DispatchHandle<T, MemorySpace>& h, std::vector<index_t> counts, int width) {
+  RowMatrix<T, MemorySpace> set_expert_rows(Exec2 const& exec, DispatchHandle<T, MemorySpace>& h, std::vector<index_t> counts, int width,
+                                            index_t spare_rows = 0) {
     h.expert_counts = std::move(counts);
     h.expert_offsets = offsets_of(h.expert_counts);
     h.expert_offsets_d = work_.template vector<index_t>(exec, "expert_offsets", static_cast<index_t>(h.expert_offsets.size()));
@@ -233,7 +238,10 @@ class ExchangeBase {
       for (std::size_t i = 0; i < h.expert_offsets.size(); ++i) hv(i) = h.expert_offsets[i];
       Kokkos::deep_copy(exec, h.expert_offsets_d, hv);
     }
-    h.expert_rows = work_.template matrix<T>(exec, "expert_rows", h.expert_offsets.back(), static_cast<std::size_t>(width));
+    index_t const n = h.expert_offsets.back();
+    auto all = work_.template matrix<T>(exec, "expert_rows", n + spare_rows, static_cast<std::size_t>(width));
+    h.expert_rows = Kokkos::subview(all, std::make_pair(index_t(0), n), Kokkos::ALL);
+    return all;
   }
 
   /// \brief A dispatch's local work first (checks, rows and metadata packed
