@@ -659,7 +659,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
             index_t const j = byte * 8 + b;
             if (j < Rs && compact_of(s * Rs + j) >= 0) flags = static_cast<unsigned char>(flags | (1u << b));
           }
-          (s == me ? flags_in : flags_out)(s, byte) = flags;
+          if (s == me)
+            flags_in(s, byte) = flags;
+          else
+            flags_out(s, byte) = flags;
         });
     exchange_headers(exec, flags_out, flags_in, "pooled-wave combine headers");
     // The return row of each flagged pool row of every destination.
