@@ -649,21 +649,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     index_t const fb = pooled_wave_flag_bytes(Rs);
     auto flags_out = this->work_.template matrix<unsigned char>(exec, "flags_send", P, static_cast<std::size_t>(fb));
     auto flags_in = this->work_.template matrix<unsigned char>(exec, "flags_recv", P, static_cast<std::size_t>(fb));
-    auto compact_of = st.compact_of;
-    Kokkos::parallel_for(
-        "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * fb),
-        KOKKOS_LAMBDA(index_t x) {
-          index_t const s = x / fb, byte = x % fb;
-          unsigned char flags = 0;
-          for (int b = 0; b < 8; ++b) {
-            index_t const j = byte * 8 + b;
-            if (j < Rs && compact_of(s * Rs + j) >= 0) flags = static_cast<unsigned char>(flags | (1u << b));
-          }
-          if (s == me)
-            flags_in(s, byte) = flags;
-          else
-            flags_out(s, byte) = flags;
-        });
+    write_flags(exec, st, flags_out, flags_in, 1);
     exchange_headers(exec, flags_out, flags_in, "pooled-wave combine headers");
     // The return row of each flagged pool row of every destination.
     auto pool_route = st.pool_route;
@@ -679,6 +665,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     // This wave's routes to this rank take their results from the expert
     // outputs; routes without a result (sender or receiver drops) zeros.
     auto out = this->contiguous_rows(exec, expert_out);
+    auto compact_of = st.compact_of;
     auto position = st.position;
     auto dest = h.routes.dest_rank;
     auto ep_slot = ep_slot_;
@@ -728,14 +715,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
   template <class T>
   void return_pools(Exec const& exec, State const& st, RowMatrix<T, MS> const& expert_out, PayloadBuffer<MS> const& back,
                     PayloadBuffer<MS> const& got) {
-    int const P = this->comms_->ep().size();
     int const me = this->comms_->ep().my_slot();
     index_t const Rs = st.shapes.sender_pool_rows;
     index_t const pool = st.shapes.pool_rows_with_header;
     index_t const H = st.shapes.header_rows;
-    auto bb = back.bytes;
-    auto gb = got.bytes;
-    index_t const flag_bytes = (Rs + 7) / 8;
     auto compact_of = st.compact_of;
     // Every row once: a kept route's result, header rows zero; rows without
     // a result (never read: their flag is clear) are left as they are. Then
@@ -753,16 +736,30 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           return pool_target(r, pool, me);
         },
         MissingRow::zero, "KokkosMoE::PooledWave::return_rows");
+    write_flags(exec, st, back.bytes, got.bytes, pool);
+  }
+
+  /// The return headers: bit j of source slot s's flags says its pool row j
+  /// carries a result; at row s * stride of `to` (of `own` for this rank's
+  /// own pool, read where it is written).
+  void write_flags(Exec const& exec, State const& st, typename RowSet<MS>::rows_view const& to,
+                   typename RowSet<MS>::rows_view const& own, index_t stride) {
+    int const P = this->comms_->ep().size();
+    int const me = this->comms_->ep().my_slot();
+    index_t const Rs = st.shapes.sender_pool_rows;
+    index_t const fb = pooled_wave_flag_bytes(Rs);
+    auto compact_of = st.compact_of;
     Kokkos::parallel_for(
-        "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * flag_bytes),
+        "KokkosMoE::PooledWave::return_headers", Kokkos::RangePolicy<Exec>(exec, 0, static_cast<index_t>(P) * fb),
         KOKKOS_LAMBDA(index_t x) {
-          index_t const s = x / flag_bytes, byte = x % flag_bytes;
+          index_t const s = x / fb, byte = x % fb;
           unsigned char flags = 0;
           for (int b = 0; b < 8; ++b) {
             index_t const j = byte * 8 + b;
             if (j < Rs && compact_of(s * Rs + j) >= 0) flags = static_cast<unsigned char>(flags | (1u << b));
           }
-          (s == me ? &gb(s * pool, 0) : &bb(s * pool, 0))[byte] = flags;  // the header spans the pool's first rows
+          unsigned char* hdr = s == me ? &own(s * stride, 0) : &to(s * stride, 0);
+          hdr[byte] = flags;
         });
   }
 
