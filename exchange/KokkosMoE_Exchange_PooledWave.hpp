@@ -632,6 +632,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     rows.owners = landing;
     this->transport_->alltoallv(exec, ep, {rows}, send_counts, recv_counts, "pooled-wave dispatch rows", this->options());
     for (auto const& m : straddling) copy_row_range(exec, landing, m.to, landing, m.from, m.rows);
+    Compat::fence(exec, "KokkosMoE::PooledWave: rows in place");
     return arrivals.drops;
   }
 
