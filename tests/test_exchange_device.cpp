@@ -1,6 +1,7 @@
 // Device transports (built with Kokkos CUDA): the NCCL transport and the MPI
 // transport on device buffers (CUDA-aware or staged through host mirrors,
-// and staged on request) give the same rows as the host reference. Ranks
+// and staged on request) give the same rows as the host reference, for the
+// flat, hierarchical and pooled-wave exchanges alike. Ranks
 // that share a GPU get NCCL's refusal in words on every rank. Skipped (exit
 // code 77) when no GPU is visible.
 
@@ -18,7 +19,7 @@ using namespace KokkosMoE::Exchange;
 namespace {
 
 std::vector<float> device_step(Topology::CommunicatorSet const& comms, Placement const& placement, int rank, TransportKind transport,
-                               bool stage_through_host = false) {
+                               Algorithm algorithm, bool stage_through_host = false) {
   using DMS = Kokkos::DefaultExecutionSpace::memory_space;
   Kokkos::DefaultExecutionSpace exec;
   int const T = 6, k = 2, d = 8;
@@ -47,13 +48,23 @@ std::vector<float> device_step(Topology::CommunicatorSet const& comms, Placement
   config.return_payload = PayloadType::fp32;
   config.transport = transport;
   config.stage_through_host = stage_through_host;
+  config.algorithm = algorithm;
+  // Pooled waves: two, with static shapes too large for any drop.
+  config.waves = 2;
+  config.tokens_per_rank = T;
+  config.top_k = k;
+  config.sender_cf = 2.0 * comms.size();
+  config.receiver_cf = 4.0 * comms.size();
   // Through the contract, as a layer holds it: the algorithm and the
   // transport chosen by configuration.
   auto x = make_exchange<float, Kokkos::DefaultExecutionSpace, DMS>(comms, placement, config);
   CHECK(x->transport() == transport);
-  auto h = x->dispatch(exec, rp, plan, hidden, 0);
+  CHECK(x->algorithm() == algorithm);
   PayloadBuffer<DMS> returned(exec, "returned", PayloadType::fp32, d, plan.rows());
-  x->combine(exec, h, h.expert_rows, returned, {});  // identity experts
+  for (int w = 0; w < x->waves(); ++w) {
+    auto h = x->dispatch(exec, rp, plan, hidden, w);
+    x->combine(exec, h, h.expert_rows, returned, {});  // identity experts
+  }
   RowMatrix<float, DMS> out("out", T, d);
   combine(exec, rp, plan, returned, out);
   auto ho = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out);
@@ -71,23 +82,30 @@ TEST_CASE("device buffers: MPI (CUDA-aware or staged) and NCCL match", "[exchang
   auto topo = Topology::Topology::discover(MPI_COMM_WORLD, s);
   Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
   Placement placement = Placement::round_robin(3 * size, size);
-  auto mpi = device_step(comms, placement, rank, TransportKind::mpi);
-  // Identity experts: out = sum of gates * hidden = 0.75 * hidden.
-  for (std::size_t i = 0; i < mpi.size(); ++i) {
-    int const t = static_cast<int>(i) / 8, c = static_cast<int>(i) % 8;
-    CHECK(mpi[i] == Approx(0.75 * (0.5 * t - 0.25 * c + rank)).margin(1e-5));
-  }
-  CHECK(kmoe_test::same_bits(device_step(comms, placement, rank, TransportKind::mpi, /*stage_through_host=*/true), mpi));
+  std::vector<float> reference;
+  for (Algorithm algorithm : {Algorithm::flat, Algorithm::hierarchical, Algorithm::pooled_wave}) {
+    INFO("algorithm " << to_string(algorithm));
+    auto mpi = device_step(comms, placement, rank, TransportKind::mpi, algorithm);
+    // Identity experts: out = sum of gates * hidden = 0.75 * hidden.
+    for (std::size_t i = 0; i < mpi.size(); ++i) {
+      int const t = static_cast<int>(i) / 8, c = static_cast<int>(i) % 8;
+      CHECK(mpi[i] == Approx(0.75 * (0.5 * t - 0.25 * c + rank)).margin(1e-5));
+    }
+    if (reference.empty()) reference = mpi;
+    CHECK(kmoe_test::same_bits(mpi, reference));  // every algorithm gives the flat exchange's bits
+    CHECK(kmoe_test::same_bits(device_step(comms, placement, rank, TransportKind::mpi, algorithm, /*stage_through_host=*/true), mpi));
 #if defined(KOKKOSMOE_HAVE_NCCL) && defined(KOKKOS_ENABLE_CUDA)
-  std::string const conflict = nccl_device_conflict(comms.ep());
-  if (conflict.empty()) {
-    auto nccl = device_step(comms, placement, rank, TransportKind::nccl);
-    CHECK(kmoe_test::same_bits(nccl, mpi));
-  } else {
-    // Ranks sharing one GPU (a one-GPU machine at np 2): the same error on every rank.
-    INFO(conflict);
-    CHECK_THROWS_WITH(device_step(comms, placement, rank, TransportKind::nccl), Catch::Matchers::Contains("NCCL needs one GPU per rank"));
-  }
+    std::string const conflict = nccl_device_conflict(comms.ep());
+    if (conflict.empty()) {
+      auto nccl = device_step(comms, placement, rank, TransportKind::nccl, algorithm);
+      CHECK(kmoe_test::same_bits(nccl, mpi));
+    } else {
+      // Ranks sharing one GPU (a one-GPU machine at np 2): the same error on every rank.
+      INFO(conflict);
+      CHECK_THROWS_WITH(device_step(comms, placement, rank, TransportKind::nccl, algorithm),
+                        Catch::Matchers::Contains("NCCL needs one GPU per rank"));
+    }
 #endif
+  }
   INFO("CUDA-aware MPI: " << mpi_is_cuda_aware());
 }
