@@ -41,11 +41,13 @@
 /// (stably), so a source's rows of one expert travel as one run straight
 /// into their expert rows (with receiver drops into spare rows past them,
 /// whose kept prefix is moved into place after; the own pool is packed
-/// straight into its expert rows from hidden). The
-/// results leave from the expert outputs, after their flags, as one
-/// message per peer straight into the return rows of their routes (rows of
-/// routes without a result are zeroed). The static shapes, the waves, which
-/// routes are dropped, and the bits are the same as with in-band headers.
+/// straight into its expert rows from hidden). A wave's headers travel
+/// while its rows are packed. The results leave from the expert outputs as
+/// one message per peer straight into the return rows of their routes (rows
+/// of routes without a result are zeroed), after their flags, which are
+/// known once the dispatch has arranged its rows and travel from then until
+/// the combine. The static shapes, the waves, which routes are dropped, and
+/// the bits are the same as with in-band headers.
 /// A message whose two sides cut it into different runs is what MPI's
 /// derived datatypes allow (RowSet::one_message); NCCL keeps in-band headers.
 
@@ -78,6 +80,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     bool direct = false;                 ///< rows went straight to the expert rows (direct_rows)
     std::vector<index_t> compact_host;   ///< direct: host copy of compact_of
     std::vector<std::int64_t> sent_runs; ///< direct: [P] runs (local experts) of the rows for each destination slot
+    /// direct: the return flags (bit j of destination slot q's: its pool row
+    /// j comes back), in flight from the dispatch until the combine.
+    Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS> flags_in;
+    std::shared_ptr<RowsInFlight> flags;
   };
 
   PooledWaveExchange(Topology::CommunicatorSet const& comms, Placement placement, ExchangeConfig const& config = {},
@@ -502,13 +508,15 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     return arrivals.drops;
   }
 
-  /// Headers, one message of `out`'s row bytes per peer: row q of `out` to
-  /// peer slot q (the own one is in place in `in`, at row me).
-  void exchange_headers(Exec const& exec, typename RowSet<MS>::rows_view const& out, typename RowSet<MS>::rows_view const& in,
-                        char const* what) {
+  /// Headers, started: one message of `out`'s row bytes per peer, row q of
+  /// `out` to peer slot q (the own one is in place in `in`, at row me); `in`
+  /// is written when the returned flight finishes.
+  RowsInFlight start_headers(Exec const& exec, typename RowSet<MS>::rows_view const& out, typename RowSet<MS>::rows_view const& in,
+                             char const* what) {
     auto const& ep = this->comms_->ep();
     std::vector<index_t> const one(static_cast<std::size_t>(ep.size()), 1);
-    this->transport_->alltoallv(exec, ep, {RowSet<MS>{out, in, {}, {}, /*self_in_place=*/true}}, one, one, what, this->options());
+    return this->transport_->start_alltoallv(exec, ep, {RowSet<MS>{out, in, {}, {}, /*self_in_place=*/true}}, one, one, what,
+                                             this->options());
   }
 
   /// Appends one row to a peer's runs (extending the last run where adjacent).
@@ -548,6 +556,13 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     auto by_id = this->work_.template vector<index_t>(exec, "by_id", n_pool);
     index_view id_off("KokkosMoE::PooledWave::id_off", static_cast<index_t>(P) * (L + 1) + 1);
     stable_counting_sort(exec, key, P * (L + 1), by_id, id_off, "KokkosMoE::PooledWave::by_id");
+    // The headers first (they travel while the rows are packed); from them
+    // a receiver knows where every row of the wave goes.
+    index_t const span = pooled_wave_id_span(Rs, L);
+    auto ids_out = this->work_.template matrix<unsigned char>(exec, "ids_send", P, static_cast<std::size_t>(span));
+    auto ids_in = this->work_.template matrix<unsigned char>(exec, "ids_recv", P, static_cast<std::size_t>(span));
+    write_ids(exec, st, routes, ids_out, ids_in, 1);
+    auto headers = start_headers(exec, ids_out, ids_in, "pooled-wave dispatch headers");
     // The other ranks' pools in that order (no header rows), packed from
     // hidden: pool q's rows are send rows [q * Rs, q * Rs + sent_rows[q]).
     auto send = payload_buffer(this->work_, exec, "send", this->config_.payload, d, n_pool);
@@ -564,12 +579,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           return x / Rs == me || pool_route(static_cast<int>(x / Rs), x % Rs) < 0 ? -1 : p;
         },
         MissingRow::skip, "KokkosMoE::PooledWave::pack");
-    // The headers first; from them, where every row of the wave goes.
-    index_t const span = pooled_wave_id_span(Rs, L);
-    auto ids_out = this->work_.template matrix<unsigned char>(exec, "ids_send", P, static_cast<std::size_t>(span));
-    auto ids_in = this->work_.template matrix<unsigned char>(exec, "ids_recv", P, static_cast<std::size_t>(span));
-    write_ids(exec, st, routes, ids_out, ids_in, 1);
-    exchange_headers(exec, ids_out, ids_in, "pooled-wave dispatch headers");
+    headers.finish();
     auto const arrivals = arrange(exec, st, h, ids_in, 1);
     st.compact_host = Impl::host_vector(st.compact_of);
     auto const ids = Impl::host_vector(arrivals.ids);
@@ -621,6 +631,13 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     RowMatrix<T, MS> landing;
     agree(ep.comm(), problem_of([&] { landing = this->set_expert_rows(exec, h, kept_per_slot(arrivals), d, spare); }),
           "pooled-wave compaction", this->config_.watchdog_seconds);
+    // The return flags are known now: they travel while the experts work
+    // (combine_direct finishes them).
+    index_t const fb = pooled_wave_flag_bytes(Rs);
+    st.flags_in = this->work_.template matrix<unsigned char>(exec, "flags_recv", P, static_cast<std::size_t>(fb));
+    auto flags_out = this->work_.template matrix<unsigned char>(exec, "flags_send", P, static_cast<std::size_t>(fb));
+    write_flags(exec, st, flags_out, st.flags_in, 1);
+    st.flags = std::make_shared<RowsInFlight>(start_headers(exec, flags_out, st.flags_in, "pooled-wave combine headers"));
     // The own pool, from hidden straight into its expert rows.
     auto compact_of = st.compact_of;
     KokkosMoE::Impl::move_rows(
@@ -636,9 +653,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     return arrivals.drops;
   }
 
-  /// Combine of a wave dispatched by dispatch_direct: the flags first, then
-  /// the results from the expert outputs straight into the return rows of
-  /// their routes; every other route of the wave gets zeros.
+  /// Combine of a wave dispatched by dispatch_direct: once its flags (sent
+  /// by the dispatch) are in, the results from the expert outputs straight
+  /// into the return rows of their routes; every other route of the wave
+  /// gets zeros.
   template <class T>
   void combine_direct(Exec const& exec, State const& st, DispatchHandle<T, MS> const& h, RowMatrix<T, MS> const& expert_out,
                       PayloadBuffer<MS> const& returned) {
@@ -647,11 +665,11 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     int const me = ep.my_slot();
     index_t const Rs = st.shapes.sender_pool_rows;
     index_t const W = shape_.waves, wave = h.wave;
-    index_t const fb = pooled_wave_flag_bytes(Rs);
-    auto flags_out = this->work_.template matrix<unsigned char>(exec, "flags_send", P, static_cast<std::size_t>(fb));
-    auto flags_in = this->work_.template matrix<unsigned char>(exec, "flags_recv", P, static_cast<std::size_t>(fb));
-    write_flags(exec, st, flags_out, flags_in, 1);
-    exchange_headers(exec, flags_out, flags_in, "pooled-wave combine headers");
+    // The flags, sent at dispatch: bit j of a destination's says its pool
+    // row j comes back.
+    KOKKOSMOE_REQUIRE(st.flags, "pooled-wave combine: the dispatch sent no return flags");
+    st.flags->finish();
+    auto flags_in = st.flags_in;
     // The return row of each flagged pool row of every destination.
     auto pool_route = st.pool_route;
     auto inv = h.plan.inv;
