@@ -433,8 +433,10 @@ std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in) {
         for (std::int64_t j = 0; j < Rs; ++j)
           if (j * W + w < static_cast<std::int64_t>(mine.size())) {
             ++useful[p];
-            auto const e = static_cast<std::size_t>(mine[static_cast<std::size_t>(j * W + w)]);
-            runs[p] += expert.at(e) ? 0 : 1;
+            int const q = mine[static_cast<std::size_t>(j * W + w)];
+            KOKKOSMOE_REQUIRE(q >= 0 && q < L, "planner: local slot " << q << " outside the static " << L << " experts");
+            auto const e = static_cast<std::size_t>(q);
+            runs[p] += expert[e] ? 0 : 1;
             expert[e] = true;
           }
       }
