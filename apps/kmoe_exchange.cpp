@@ -378,30 +378,35 @@ Outcome run_cluster(LayerDeck const& deck, Options const& opt, std::optional<Exc
   out.evidence = evidence_of(deck, false);
   // This rank's own rows (explicit decks give ranks different token counts).
   RowMatrix<float, MS> rows_out("kmoe-exchange::out", hidden.extent(0), deck.model.hidden);
-  for (auto const& name : algorithms) {
-    auto const algo = from_string<Exchange::Algorithm>(name);
-    AlgoResult res;
-    res.name = name;
-    // Every run's times; the run of median total time is reported (the
-    // calibration's figures are medians too).
-    struct Run {
-      double total, dispatch, combine;
-      Exchange::ByteLedger ledger;
-    };
-    std::vector<Run> runs;
-    // Warm-up runs first (buffers allocated and touched, not timed).
-    for (int w = 0; w < (opt.warmup >= 0 ? opt.warmup : deck.run.warmup); ++w)
-      layer.forward_routes(exec, hidden, table, rows_out, algo, explicit_slot);
-    for (int rep = 0; rep < out.reps; ++rep) {
-      auto rec = layer.forward_routes(exec, hidden, table, rows_out, algo, explicit_slot);
+  // Every run's times; the run of median total time is reported (the
+  // calibration's figures are medians too). The algorithms take turns run
+  // by run, so that a slow spell of the machine falls on all of them alike.
+  struct Run {
+    double total, dispatch, combine;
+    Exchange::ByteLedger ledger;
+  };
+  std::size_t const A = algorithms.size();
+  std::vector<AlgoResult> results(A);
+  std::vector<std::vector<Run>> runs(A);
+  std::vector<Exchange::Algorithm> algos;
+  for (std::size_t a = 0; a < A; ++a) {
+    algos.push_back(from_string<Exchange::Algorithm>(algorithms[a]));
+    results[a].name = algorithms[a];
+  }
+  // Warm-up runs first (buffers allocated and touched, not timed).
+  for (int w = 0; w < (opt.warmup >= 0 ? opt.warmup : deck.run.warmup); ++w)
+    for (auto const algo : algos) layer.forward_routes(exec, hidden, table, rows_out, algo, explicit_slot);
+  for (int rep = 0; rep < out.reps; ++rep)
+    for (std::size_t a = 0; a < A; ++a) {
+      auto rec = layer.forward_routes(exec, hidden, table, rows_out, algos[a], explicit_slot);
       double const mine[2] = {direction_seconds(rec.ledger.dispatch), direction_seconds(rec.ledger.combine)};
       double slowest[2] = {0, 0};
       allreduce_watched(mine, slowest, 2, MPI_DOUBLE, MPI_MAX, world, "exchange times", deck.exchange.watchdog_seconds);
-      runs.push_back({slowest[0] + slowest[1], slowest[0], slowest[1], rec.ledger.reduced(world, deck.exchange.watchdog_seconds)});
+      runs[a].push_back({slowest[0] + slowest[1], slowest[0], slowest[1], rec.ledger.reduced(world, deck.exchange.watchdog_seconds)});
       if (rep == 0) {
         // The planner must predict this rank's ledger exactly.
         auto c = config.exchange;
-        c.algorithm = algo;
+        c.algorithm = algos[a];
         auto const planned =
             Exchange::plan_ledgers(Exchange::PlanInput{topo, comms.layout(), routes, placement, c, deck.model.hidden, PayloadType::fp32});
         auto measured = rec.ledger;
@@ -411,14 +416,17 @@ Outcome run_cluster(LayerDeck const& deck, Options const& opt, std::optional<Exc
         allreduce_watched(&ok, &all_ok, 1, MPI_INT, MPI_MIN, world, "planner check", deck.exchange.watchdog_seconds);
         out.planned_ok = out.planned_ok && all_ok == 1;
         if (model) {
-          res.predicted = Exchange::predict(*model, topo, comms.layout(), planned);
-          res.has_prediction = true;
+          results[a].predicted = Exchange::predict(*model, topo, comms.layout(), planned);
+          results[a].has_prediction = true;
         }
       }
     }
-    for (auto const& r : runs) res.runs_s.push_back(r.total);
-    std::sort(runs.begin(), runs.end(), [](Run const& a, Run const& b) { return a.total < b.total; });
-    auto& median = runs[runs.size() / 2];
+  for (std::size_t a = 0; a < A; ++a) {
+    auto& res = results[a];
+    auto& list = runs[a];
+    for (auto const& r : list) res.runs_s.push_back(r.total);
+    std::sort(list.begin(), list.end(), [](Run const& x, Run const& y) { return x.total < y.total; });
+    auto& median = list[list.size() / 2];
     res.ledger = std::move(median.ledger);
     res.dispatch_s = median.dispatch;
     res.combine_s = median.combine;

@@ -124,10 +124,12 @@ bool oversubscribed() {
 
 bool Watchdog::expired() {
   double const now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  if (oversubscribed() && now - started_ > 50e-6) {
+  if (oversubscribed() && now - started_ > spin_before_sleep_seconds) {
     // More ranks than cores: a rank that has waited a while hands its core
     // over for a moment (a yield need not: a scheduler may run the yielder
-    // again at once, and its peer waits a whole time slice).
+    // again at once, and its peer waits a whole time slice). Short waits
+    // (a count round, an agreement, a small message) end within the
+    // yielding spin; sleeping from their start would add a wake-up to each.
     static thread_local bool const slack = [] {
 #ifdef __linux__
       prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // wake within ~1 us of the request, not the default 50 us

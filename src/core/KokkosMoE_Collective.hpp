@@ -72,8 +72,15 @@ class Watchdog {
 /// launcher's local rank count, OMPI_COMM_WORLD_LOCAL_SIZE and the like,
 /// against the hardware threads), or KOKKOSMOE_WAIT=sleep; false with
 /// KOKKOSMOE_WAIT=spin. Waits then sleep briefly between polls once they
-/// have lasted 50 us, so that the ranks they wait for get the core.
+/// have lasted spin_before_sleep_seconds, so that the ranks they wait for
+/// get the core; shorter waits only yield.
 bool oversubscribed();
+
+/// \brief How long an oversubscribed wait yields before it sleeps between
+/// polls: 1 ms, longer than a synchronisation point of a step (which a
+/// sleep would delay by a wake-up each) and shorter than a scheduler's time
+/// slice (which a yielding poller might otherwise keep from a peer).
+inline constexpr double spin_before_sleep_seconds = 1e-3;
 
 /// \brief Polls a nonblocking MPI collective request until it completes,
 /// yielding the core to oversubscribed peers; with a watchdog (limit > 0),
