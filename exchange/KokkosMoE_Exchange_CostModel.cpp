@@ -90,6 +90,7 @@ std::string CostModel::to_json(int indent) const {
                    {"intra_bandwidth_gbps", fabric.intra_bandwidth_gbps}};
   j["encode_s_per_byte"] = encode_s_per_byte;
   j["decode_s_per_byte"] = decode_s_per_byte;
+  j["return_encode_s_per_byte"] = return_encode_s_per_byte;
   j["stage_s"] = stage_s;
   j["stage_s_of"] = json::object();
   for (auto const& [a, v] : stage_s_of) j["stage_s_of"][a] = v;
@@ -122,6 +123,13 @@ CostModel CostModel::from_json(std::string const& text, std::string const& where
     KOKKOSMOE_REQUIRE(j.contains(name) && j.at(name).is_number() && std::isfinite(j.at(name).get<double>()) && j.at(name).get<double>() >= 0,
                       where << ": cost model field \"" << name << "\" is missing or not a number >= 0");
     *field = j.at(name).get<double>();
+  }
+  m.return_encode_s_per_byte = m.encode_s_per_byte;  // files written before it was calibrated on its own
+  if (j.contains("return_encode_s_per_byte")) {
+    auto const& v = j.at("return_encode_s_per_byte");
+    KOKKOSMOE_REQUIRE(v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() >= 0,
+                      where << ": cost model field \"return_encode_s_per_byte\" is not a number >= 0");
+    m.return_encode_s_per_byte = v.get<double>();
   }
   if (j.contains("fabric") && j.at("fabric").is_object()) {
     auto const& f = j.at("fabric");
@@ -186,6 +194,8 @@ ByteLedger predict(CostModel const& model, Topology::Topology const& topo, Topol
   ByteLedger out = ledgers.front();
   for (std::size_t r = 1; r < ledgers.size(); ++r) out.accumulate(ledgers[r]);
   bool const counts = out.algorithm != "pooled_wave";  // static shapes agree on no counts
+  // Pooled-wave waves are exchanges of their own: each packs what it sends.
+  bool const every_stage_packs = out.algorithm == "pooled_wave";
   int const N = static_cast<int>(ledgers.size());
   for (int dir = 0; dir < 2; ++dir) {
     auto& stages = dir == 0 ? out.dispatch.stages : out.combine.stages;
@@ -222,16 +232,17 @@ ByteLedger predict(CostModel const& model, Topology::Topology const& topo, Topol
         int const nic = topo.local_rank_of(r) % std::max(1, model.nics_per_node);
         nic_busy[{topo.node_of(r), nic}] += model.nic.seconds(inter_msgs, static_cast<double>(inter.payload_bytes + inter.meta_bytes));
         rank_max = std::max(rank_max, rank_t);
-        // Rows are encoded where they start (the dispatch's first stage packs
-        // what the rank sends; the combine encodes every expert output row
+        // Rows are encoded where they start (the dispatch's first stage, or
+        // every pooled-wave wave, packs what the rank sends; the combine
+        // encodes every expert output row
         // the rank holds, whichever stage sends it) and, dispatched rows,
         // decoded where they end (the last stage's useful rows); relays
         // forward encoded rows.
         double coded = 0;
-        if (s == 0 && dir == 0) coded += sent * model.encode_s_per_byte;
+        if (dir == 0 && (s == 0 || every_stage_packs)) coded += sent * model.encode_s_per_byte;
         if (s == 0 && dir == 1 && !out.combine.rows_in_place)
           coded += static_cast<double>(ledgers[static_cast<std::size_t>(r)].dispatch.useful_rows) *
-                   static_cast<double>(out.combine_row_bytes) * model.encode_s_per_byte;
+                   static_cast<double>(out.combine_row_bytes) * model.return_encode_s_per_byte;
         if (dir == 0 && s + 1 == stages.size() && !out.dispatch.rows_in_place)
           coded += static_cast<double>(dl.useful_rows) * static_cast<double>(out.row_bytes + out.meta_row_bytes) * model.decode_s_per_byte;
         copy_max = std::max(copy_max, coded);

@@ -20,8 +20,10 @@
 /// same-rank class is a local copy) and the NIC term is the exclusive time
 /// of a shared NIC (an emulated or a stated fabric; zero for a machine
 /// without one). Rows are encoded in a direction's first stage (the
-/// dispatch: the bytes the rank sends there; the combine: every expert
-/// output row the rank holds, its dispatch's useful rows) and, in the
+/// dispatch: the bytes the rank sends there, token rows read scattered, in
+/// every wave of a pooled-wave exchange; the
+/// combine: every expert output row the rank holds, its dispatch's useful
+/// rows, read in runs: return_encode_s_per_byte) and, in the
 /// dispatch, decoded in its last (its useful rows); relays forward encoded
 /// rows. A direction whose rows need no repack copy (DirectionLedger::
 /// rows_in_place: rows land in their expert rows, results leave from them)
@@ -65,8 +67,11 @@ struct CostModel {
   LinkCost inter_node;  ///< per rank, the transport's own cost to a peer on another node
   LinkCost nic;         ///< exclusive time of a node's NIC per inter-node message (0: no shared NIC)
   int nics_per_node = 1;
-  double encode_s_per_byte = 0.0;  ///< packing rows into the payload, per payload byte
-  double decode_s_per_byte = 0.0;  ///< unpacking arrived rows, per payload byte
+  double encode_s_per_byte = 0.0;  ///< packing token rows into the payload (reads scattered), per payload byte
+  double decode_s_per_byte = 0.0;  ///< unpacking arrived rows into expert rows (in runs), per payload byte
+  /// Packing expert outputs into the return payload (reads in runs), per
+  /// payload byte; a calibration file without it uses encode_s_per_byte.
+  double return_encode_s_per_byte = 0.0;
   double stage_s = 0.0;          ///< fixed per stage (agreements, fences, plans): any algorithm not below
   std::map<std::string, double> stage_s_of;  ///< fixed per stage of one algorithm (by name), measured
   double stage_seconds(std::string const& algorithm) const {

@@ -14,6 +14,8 @@
 #include <KokkosMoE_Exchange_Transport.hpp>
 #include <KokkosMoE_LayerSetup.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <cstring>
 #include <sstream>
 
@@ -259,6 +261,7 @@ TEST_CASE("cost model: alpha-beta fit, stage prediction, files", "[fabric][model
   model.nic = {20e-6, 0.2e-9};  // 5 GB/s
   model.encode_s_per_byte = 0.1e-9;
   model.decode_s_per_byte = 0.05e-9;
+  model.return_encode_s_per_byte = 0.3e-9;
   model.stage_s = 10e-6;
   auto const p = Exchange::predict(model, topo, layout, ledgers);
   // Rank: intra 1 pair x 2 messages + 1 count message, inter 2 pairs x 2 + 2 counts.
@@ -291,10 +294,26 @@ TEST_CASE("cost model: alpha-beta fit, stage prediction, files", "[fabric][model
     auto const pc = Exchange::predict(model, topo, layout, with_combine);
     REQUIRE(pc.combine.stages.size() == 1);
     double const rank_c = 2 * 2e-6 + 50000 * 0.2e-9;  // one pair (no metadata) + one count message
-    CHECK(pc.combine.stages[0].seconds == Approx(10e-6 + 300 * 1000 * 0.1e-9 + rank_c));
+    CHECK(pc.combine.stages[0].seconds == Approx(10e-6 + 300 * 1000 * 0.3e-9 + rank_c));
     // Results sent from the expert rows themselves take no encode pass.
     for (auto& L : with_combine) L.combine.rows_in_place = true;
     CHECK(Exchange::predict(model, topo, layout, with_combine).combine.stages[0].seconds == Approx(10e-6 + rank_c));
+  }
+  {
+    // Every pooled-wave wave packs what it sends; the last decodes the
+    // direction's useful rows. Static shapes: no count messages.
+    auto waves = ledgers;
+    for (auto& L : waves) {
+      L.algorithm = "pooled_wave";
+      L.dispatch.stages.push_back(L.dispatch.stages[0]);
+    }
+    auto const pw = Exchange::predict(model, topo, layout, waves);
+    REQUIRE(pw.dispatch.stages.size() == 2);
+    double const rank_w = (2 * 2e-6 + 100800 * 0.2e-9) + (4 * 2e-6 + 201600 * 0.2e-9);
+    double const nic_w = 2 * (4 * 20e-6 + 201600 * 0.2e-9);
+    double const pack_w = (100800 + 201600) * 0.1e-9;
+    CHECK(pw.dispatch.stages[0].seconds == Approx(10e-6 + pack_w + std::max(rank_w, nic_w)));
+    CHECK(pw.dispatch.stages[1].seconds == Approx(10e-6 + pack_w + 300 * 1008 * 0.05e-9 + std::max(rank_w, nic_w)));
   }
   // Two NICs per node: each serves one rank.
   model.nics_per_node = 2;
@@ -307,6 +326,16 @@ TEST_CASE("cost model: alpha-beta fit, stage prediction, files", "[fabric][model
   CHECK(back.nic.alpha_s == model.nic.alpha_s);
   CHECK(back.nics_per_node == 2);
   CHECK(back.samples.size() == 1);
+  CHECK(back.return_encode_s_per_byte == model.return_encode_s_per_byte);
+  {
+    // A file written before the return pack was calibrated on its own
+    // prices it like the pack.
+    auto older = nlohmann::json::parse(model.to_json());
+    older.erase("return_encode_s_per_byte");
+    CHECK(Exchange::CostModel::from_json(older.dump(), "old.json").return_encode_s_per_byte == model.encode_s_per_byte);
+    older["return_encode_s_per_byte"] = -1.0;
+    CHECK_THROWS_WITH(Exchange::CostModel::from_json(older.dump(), "old.json"), Catch::Matchers::Contains("return_encode_s_per_byte"));
+  }
   CHECK_THROWS_WITH(Exchange::CostModel::from_json("{", "m.json"), Catch::Matchers::Contains("m.json: not a JSON cost model"));
   CHECK_THROWS_WITH(Exchange::CostModel::from_json("{\"format\": \"other\"}", "m.json"), Catch::Matchers::Contains("not a KokkosMoE cost model"));
   std::string broken = model.to_json();

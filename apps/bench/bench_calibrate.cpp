@@ -160,31 +160,48 @@ int run(int argc, char** argv) {
     Kokkos::deep_copy(x, 0.5f);
     PayloadBuffer<MS> buf("calibrate::payload", t, d, n);
     Exec exec;
-    // The exchange's own row kernels: pack gathers rows into the payload
-    // (rows of a token leave in destination order, so its reads jump),
-    // repack scatters arrived rows back to the row type.
-    // Like an exchange's: each of n / top_k token rows feeds top_k payload
-    // rows, read in a scattered order; arrived rows land scattered.
+    // The exchange's own row kernels in the exchange's access patterns.
+    // Pack: each of n / top_k token rows feeds top_k payload rows, read in a
+    // scattered order (a token's rows leave in destination order). Repack:
+    // arrived rows land in their expert rows in runs (a source's rows for
+    // one expert arrive together), the runs scattered. Return encode: the
+    // expert outputs leave for the return payload in the same runs.
     index_t const tokens = std::max<index_t>(1, n / std::max(1, deck.model.top_k));
-    Kokkos::View<index_t*, MS> jump("calibrate::jump", n);
+    // Rows of one source for one expert: the deck's tokens per rank, top_k
+    // and experts (at least one row).
+    index_t const run = std::max<index_t>(
+        1, std::min<index_t>(n, static_cast<index_t>(Setup::tokens_per_rank(deck)) * deck.model.top_k / std::max(1, deck.model.experts)));
+    index_t const runs = n / run;  // the last partial run stays in place
+    Kokkos::View<index_t*, MS> jump("calibrate::jump", n), in_runs("calibrate::in_runs", n);
+    // p * 2654435761 mod m permutes [0, m): the multiplier is a prime above m.
     Kokkos::parallel_for(
-        "calibrate::jump", Kokkos::RangePolicy<Exec>(exec, 0, n),
-        KOKKOS_LAMBDA(index_t p) { jump(p) = static_cast<index_t>((static_cast<std::uint64_t>(p) * 2654435761ULL) % static_cast<std::uint64_t>(n)); });
+        "calibrate::jump", Kokkos::RangePolicy<Exec>(exec, 0, n), KOKKOS_LAMBDA(index_t p) {
+          jump(p) = static_cast<index_t>((static_cast<std::uint64_t>(p) * 2654435761ULL) % static_cast<std::uint64_t>(n));
+          index_t const r = p / run;
+          in_runs(p) = r < runs ? static_cast<index_t>((static_cast<std::uint64_t>(r) * 2654435761ULL) % static_cast<std::uint64_t>(runs)) * run + p % run
+                                : p;
+        });
     double const enc = kmoe_bench::median_seconds(1, o.reps, [&] {
       gather_rows(exec, x, KOKKOS_LAMBDA(index_t p)->index_t { return jump(p) % tokens; }, buf, "calibrate::pack");
       exec.fence();
     });
     double const dec = kmoe_bench::median_seconds(1, o.reps, [&] {
-      scatter_rows(exec, buf, KOKKOS_LAMBDA(index_t p)->index_t { return jump(p); }, y, "calibrate::repack");
+      scatter_rows(exec, buf, KOKKOS_LAMBDA(index_t p)->index_t { return in_runs(p); }, y, "calibrate::repack");
       exec.fence();
     });
-    double mine[2] = {enc, dec}, slowest[2] = {0, 0};
-    allreduce_watched(mine, slowest, 2, MPI_DOUBLE, MPI_MAX, world, "calibrate", watchdog);
+    double const ret = kmoe_bench::median_seconds(1, o.reps, [&] {
+      gather_rows(exec, y, KOKKOS_LAMBDA(index_t p)->index_t { return in_runs(p); }, buf, "calibrate::unrepack");
+      exec.fence();
+    });
+    double mine[3] = {enc, dec, ret}, slowest[3] = {0, 0, 0};
+    allreduce_watched(mine, slowest, 3, MPI_DOUBLE, MPI_MAX, world, "calibrate", watchdog);
     double const bytes = static_cast<double>(n) * static_cast<double>(rb);
     model.encode_s_per_byte = slowest[0] / bytes;
     model.decode_s_per_byte = slowest[1] / bytes;
+    model.return_encode_s_per_byte = slowest[2] / bytes;
     model.samples.push_back({"encode", bytes, slowest[0]});
     model.samples.push_back({"decode", bytes, slowest[1]});
+    model.samples.push_back({"return_encode", bytes, slowest[2]});
   }
 
   // Partners: local rank pairs (0,1), (2,3)... of a node; equal local ranks of nodes (0,1), (2,3)...
@@ -277,9 +294,10 @@ int run(int argc, char** argv) {
   collective(world, "writing the cost model", [&] {
     if (rank != 0) return;
     write_text_file(o.out, model.to_json(2) + "\n");
-    std::printf("cost model (%s): %s\n  stage (agreements) %.1f us, pack %.2f GB/s and unpack %.2f GB/s of payload\n", model.evidence.c_str(),
-                o.out.c_str(), model.stage_s * 1e6, model.encode_s_per_byte > 0 ? 1e-9 / model.encode_s_per_byte : 0.0,
-                model.decode_s_per_byte > 0 ? 1e-9 / model.decode_s_per_byte : 0.0);
+    auto gbps = [](double s_per_byte) { return s_per_byte > 0 ? 1e-9 / s_per_byte : 0.0; };
+    std::printf("cost model (%s): %s\n  stage (agreements) %.1f us, pack %.2f GB/s, unpack %.2f GB/s and return pack %.2f GB/s of payload\n",
+                model.evidence.c_str(), o.out.c_str(), model.stage_s * 1e6, gbps(model.encode_s_per_byte), gbps(model.decode_s_per_byte),
+                gbps(model.return_encode_s_per_byte));
     for (auto const& [a, v] : model.stage_s_of) std::printf("  stage of %s: %.1f us\n", a.c_str(), v * 1e6);
   });
   return 0;
