@@ -17,9 +17,12 @@
 ///
 /// with silu'(g) = s (1 + g (1 - s)), s = sigmoid(g). Six GEMMs per segment
 /// (twelve n d d_ff FLOPs over all rows), eight when G and U are recomputed;
-/// every GEMM goes through KokkosMoE::gemm (Kokkos Kernels / BLAS on hosts,
-/// cuBLAS on CUDA when available), the element-wise phases are one kernel
-/// each over all rows. The gradient with respect to every runner's forward
+/// every GEMM runs on the grouped runner's host micro-kernels on host
+/// execution spaces with the automatic GEMM path (impl/KokkosMoE_Experts_HostGemm.hpp:
+/// NN, NT and TN products, a row's bits independent of the rows beside it),
+/// else through KokkosMoE::gemm on the deck's path (Kokkos Kernels / BLAS on
+/// hosts, cuBLAS on CUDA when available); the element-wise phases are one
+/// kernel each over all rows. The gradient with respect to every runner's forward
 /// is this one: the grouped, blas, padded and block runners compute the same
 /// function (padding rows carry no gradient), so one backward serves them.
 
@@ -31,6 +34,8 @@
 #include <KokkosMoE_Payload.hpp>
 #include <KokkosMoE_Types.hpp>
 #include <KokkosMoE_Workspace.hpp>
+#include <impl/KokkosMoE_Experts_Grouped.hpp>
+#include <impl/KokkosMoE_Experts_HostGemm.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -167,16 +172,15 @@ class Backward {
       if (r.first == r.second) continue;
       slot_weights(exec, w, q, W);
       auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-      gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(saved.gate, r, Kokkos::ALL), options_.gemm_path);
-      gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(saved.up, r, Kokkos::ALL), options_.gemm_path);
+      product(exec, 'N', 'T', Xq, W.gate, 0.0f, Kokkos::subview(saved.gate, r, Kokkos::ALL));
+      product(exec, 'N', 'T', Xq, W.up, 0.0f, Kokkos::subview(saved.up, r, Kokkos::ALL));
     }
     Impl::swiglu_rows(exec, saved.gate, saved.up, H);
     for (int q = 0; q < w.num_slots(); ++q) {
       auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
       if (r.first == r.second) continue;
       slot_weights(exec, w, q, W);
-      gemm(exec, 'N', 'T', 1.0f, Kokkos::subview(H, r, Kokkos::ALL), W.down, 0.0f, Kokkos::subview(Yf, r, Kokkos::ALL),
-           options_.gemm_path);
+      product(exec, 'N', 'T', Kokkos::subview(H, r, Kokkos::ALL), W.down, 0.0f, Kokkos::subview(Yf, r, Kokkos::ALL));
     }
     finish_target(exec, Yf, Y);
     Compat::fence(exec, "KokkosMoE::Experts::Backward::forward_keep");
@@ -246,8 +250,8 @@ class Backward {
           if (r.first == r.second) continue;
           slot_weights(exec, w, q, W);
           auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-          gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(Gr, r, Kokkos::ALL), options_.gemm_path);
-          gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(Ur, r, Kokkos::ALL), options_.gemm_path);
+          product(exec, 'N', 'T', Xq, W.gate, 0.0f, Kokkos::subview(Gr, r, Kokkos::ALL));
+          product(exec, 'N', 'T', Xq, W.up, 0.0f, Kokkos::subview(Ur, r, Kokkos::ALL));
           ledger.kernel_launches += 2;
         }
         G = Gr;
@@ -266,9 +270,8 @@ class Backward {
         if (r.first == r.second) continue;
         slot_weights(exec, w, q, W);
         auto dYq = Kokkos::subview(dYf, r, Kokkos::ALL);
-        ran = gemm(exec, 'N', 'N', 1.0f, dYq, W.down, 0.0f, Kokkos::subview(dH, r, Kokkos::ALL), options_.gemm_path);
-        gemm(exec, 'T', 'N', 1.0f, dYq, Kokkos::subview(H, r, Kokkos::ALL), beta,
-             Kokkos::subview(grads.down, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+        ran = product(exec, 'N', 'N', dYq, W.down, 0.0f, Kokkos::subview(dH, r, Kokkos::ALL));
+        product(exec, 'T', 'N', dYq, Kokkos::subview(H, r, Kokkos::ALL), beta, Kokkos::subview(grads.down, q, Kokkos::ALL, Kokkos::ALL));
         ledger.kernel_launches += 2;
       }
       Impl::swiglu_backward_rows(exec, G, U, dH, H);  // dH <- dG, H <- dU
@@ -282,22 +285,53 @@ class Backward {
         auto dUq = Kokkos::subview(H, r, Kokkos::ALL);
         auto dXq = Kokkos::subview(dXf, r, Kokkos::ALL);
         auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-        gemm(exec, 'N', 'N', 1.0f, dGq, W.gate, 0.0f, dXq, options_.gemm_path);
-        gemm(exec, 'N', 'N', 1.0f, dUq, W.up, 1.0f, dXq, options_.gemm_path);
-        gemm(exec, 'T', 'N', 1.0f, dGq, Xq, beta, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
-        gemm(exec, 'T', 'N', 1.0f, dUq, Xq, beta, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+        product(exec, 'N', 'N', dGq, W.gate, 0.0f, dXq);
+        product(exec, 'N', 'N', dUq, W.up, 1.0f, dXq);
+        product(exec, 'T', 'N', dGq, Xq, beta, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL));
+        product(exec, 'T', 'N', dUq, Xq, beta, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL));
         ledger.kernel_launches += 4;
       }
       finish_target(exec, dXf, dX);
     }
     ledger.path = std::string("swiglu[") +
-                  (ran == GemmPath::kokkos_kernels ? "KokkosKernels" : ran == GemmPath::vendor ? "cublas" : "generic") +
+                  (host_table() ? std::string("host:") + host_table()->isa
+                                : ran == GemmPath::kokkos_kernels ? "KokkosKernels" : ran == GemmPath::vendor ? "cublas" : "generic") +
                   (recompute ? ",recompute]" : ",saved]");
     Compat::fence(exec, "KokkosMoE::Experts::Backward::backward");
     return ledger;
   }
 
  private:
+  /// The host micro-kernels' table when the products run on them: a host
+  /// execution space, the automatic GEMM path and a CPU with vector kernels
+  /// (the generic table is left to BLAS); null otherwise.
+  static Impl::HostKernelTable const* host_table_for(GemmPath path) {
+    if constexpr (Impl::is_host_exec<ExecutionSpace>()) {
+      if (path != GemmPath::automatic) return nullptr;
+      auto const& t = Impl::host_kernel_table();
+      return std::string(t.isa) == "generic" ? nullptr : &t;
+    } else {
+      (void)path;
+      return nullptr;
+    }
+  }
+  Impl::HostKernelTable const* host_table() const { return host_table_for(options_.gemm_path); }
+
+  /// C = op(A) op(B) + beta C on the host micro-kernels (host_table()) or
+  /// through KokkosMoE::gemm on the deck's path; returns the GEMM path gemm took.
+  template <class AV, class BV, class CV>
+  GemmPath product(ExecutionSpace const& exec, char ta, char tb, AV const& A, BV const& B, float beta, CV const& C) {
+    if constexpr (Impl::is_host_exec<ExecutionSpace>()) {
+      if (auto const* table = host_table()) {
+        RowMatrix<float, MemorySpace> at;
+        if (ta == 'T') at = ws_.template matrix<float>(exec, "at", static_cast<index_t>(A.extent(1)), A.extent(0));
+        Impl::host_gemm(exec, *table, ta, tb, A, B, beta, C, at.data());
+        return GemmPath::generic;
+      }
+    }
+    return gemm(exec, ta, tb, 1.0f, A, B, beta, C, options_.gemm_path);
+  }
+
   using float_matrix = Impl::Unmanaged2D<float, MemorySpace>;
   using const_float_matrix = Impl::Unmanaged2D<float const, MemorySpace>;
 

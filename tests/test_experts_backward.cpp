@@ -12,6 +12,7 @@
 #include <KokkosMoE_Experts_Weights.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -218,4 +219,97 @@ TEST_CASE("expert backward refuses mismatched shapes before running", "[experts]
                     Catch::Matchers::Contains("offsets has 2 entries, expected L + 1 = 3"));
   SavedActivations<Mem> saved{RowMatrix<float, Mem>("g", 5, 12), RowMatrix<float, Mem>("u", 5, 12)};
   CHECK_THROWS_WITH(bw.backward(Exec(), w, X, offsets, dY, dX, g, saved), Catch::Matchers::Contains("saved activations are 5x12"));
+}
+
+TEST_CASE("host micro-kernel GEMMs: NN, NT and TN against fp64, K in blocks, rows independent of the call", "[experts][backward]") {
+  using HExec = Kokkos::DefaultHostExecutionSpace;
+  using M = Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace>;
+  std::mt19937 rng(21);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  auto fill = [&](M const& m) {
+    for (std::size_t i = 0; i < m.extent(0); ++i)
+      for (std::size_t j = 0; j < m.extent(1); ++j) m(i, j) = u(rng);
+  };
+  // op(A)(i, k) and op(B)(k, j) of row-major A and B.
+  auto at = [](M const& a, char t, int i, int k) { return static_cast<double>(t == 'N' ? a(i, k) : a(k, i)); };
+  for (auto const& isa : Experts::Impl::host_kernel_isas()) {
+    auto const& table = Experts::Impl::host_kernel_table(isa);
+    // Odd extents: partial row steps, partial column tiles; K = 2100 runs
+    // the reduction in two blocks.
+    for (int K : {1, 37, 2100})
+      for (auto [ta, tb] : {std::pair<char, char>{'N', 'N'}, {'N', 'T'}, {'T', 'N'}}) {
+        int const Mr = 29, N = 71;
+        M A("A", ta == 'N' ? Mr : K, ta == 'N' ? K : Mr), B("B", tb == 'N' ? K : N, tb == 'N' ? N : K), C("C", Mr, N), C0("C0", Mr, N);
+        fill(A);
+        fill(B);
+        fill(C0);
+        std::vector<float> scratch(static_cast<std::size_t>(Mr) * K);
+        INFO(isa << " " << ta << tb << " K = " << K);
+        for (float beta : {0.0f, 1.0f}) {
+          Kokkos::deep_copy(C, C0);
+          Experts::Impl::host_gemm(HExec(), table, ta, tb, A, B, beta, C, scratch.data());
+          double worst = 0;
+          for (int i = 0; i < Mr; ++i)
+            for (int j = 0; j < N; ++j) {
+              double want = beta * C0(i, j);
+              for (int k = 0; k < K; ++k) want += at(A, ta, i, k) * at(B, tb == 'N' ? 'N' : 'T', k, j);
+              worst = std::max(worst, std::abs(C(i, j) - want) / (std::sqrt(static_cast<double>(K)) + std::abs(want)));
+            }
+          CHECK(worst <= 5e-6);  // sequential FP32 sums of up to 2100 products
+        }
+        // Rows 3..9 alone: the same bits as in the whole product.
+        if (ta == 'N') {
+          auto rows = std::make_pair(3, 10);
+          M Cpart("Cpart", 7, N);
+          Experts::Impl::host_gemm(HExec(), table, ta, tb, Kokkos::subview(A, rows, Kokkos::ALL), B, 0.0f, Cpart, nullptr);
+          Experts::Impl::host_gemm(HExec(), table, ta, tb, A, B, 0.0f, C, scratch.data());
+          bool same = true;
+          for (int i = 0; i < 7; ++i)
+            for (int j = 0; j < N; ++j) same = same && std::memcmp(&Cpart(i, j), &C(i + 3, j), sizeof(float)) == 0;
+          CHECK(same);
+        }
+      }
+  }
+  // TT is not a product the backward needs: refused, as is a beta other than 0 or 1.
+  M A("A", 4, 4), C("C", 4, 4);
+  auto const& table = Experts::Impl::host_kernel_table();
+  CHECK_THROWS_WITH(Experts::Impl::host_gemm(HExec(), table, 'T', 'T', A, A, 0.0f, C, nullptr), Catch::Matchers::Contains("not supported"));
+  CHECK_THROWS_WITH(Experts::Impl::host_gemm(HExec(), table, 'N', 'N', A, A, 0.5f, C, nullptr), Catch::Matchers::Contains("beta 0.5"));
+}
+
+TEST_CASE("expert backward on the host micro-kernels equals the BLAS path", "[experts][backward]") {
+  if (!Experts::Impl::is_host_exec<Exec>()) return;
+  std::mt19937 rng(8);
+  int const d = 96, dff = 80;
+  ExpertWeights<float, Mem> w("w", {0, 1, 2}, d, dff);
+  w.randomize(Exec(), 4);
+  Kokkos::View<index_t*, Mem> offsets("offsets", 4);
+  {
+    auto h = Kokkos::create_mirror_view(offsets);
+    h(0) = 0, h(1) = 70, h(2) = 70, h(3) = 133;
+    Kokkos::deep_copy(offsets, h);
+  }
+  auto X = random_rows<float>(133, d, rng, 1.0f);
+  auto dY = random_rows<float>(133, d, rng, 1.0f);
+  RowMatrix<float> Y("Y", 133, d), dX1("dX1", 133, d), dX2("dX2", 133, d);
+  BackwardOptions blas;
+  blas.gemm_path = GemmPath::generic;
+  Backward<Exec, Mem> host_bw, blas_bw(blas);
+  SavedActivations<Mem> saved;
+  host_bw.forward_keep(Exec(), w, X, offsets, Y, saved);
+  ExpertGradients<Mem> g1(w), g2(w);
+  auto const l1 = host_bw.backward(Exec(), w, X, offsets, dY, dX1, g1, saved);
+  auto const l2 = blas_bw.backward(Exec(), w, X, offsets, dY, dX2, g2, saved);
+  bool const vector_isa = std::string(Experts::Impl::host_kernel_table().isa) != "generic";
+  CHECK(l1.path == (vector_isa ? "swiglu[host:" + std::string(Experts::Impl::host_kernel_table().isa) + ",saved]" : "swiglu[KokkosKernels,saved]"));
+  CHECK(l2.path == "swiglu[generic,saved]");
+  auto close = [](std::vector<double> const& a, std::vector<double> const& b) {
+    double worst = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / (std::abs(b[i]) + 1.0));
+    return worst;
+  };
+  CHECK(close(host_doubles(dX1), host_doubles(dX2)) <= 1e-5);
+  CHECK(close(host_doubles(g1.gate), host_doubles(g2.gate)) <= 1e-5);
+  CHECK(close(host_doubles(g1.up), host_doubles(g2.up)) <= 1e-5);
+  CHECK(close(host_doubles(g1.down), host_doubles(g2.down)) <= 1e-5);
 }

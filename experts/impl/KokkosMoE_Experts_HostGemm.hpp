@@ -1,0 +1,248 @@
+#ifndef KOKKOSMOE_EXPERTS_HOSTGEMM_HPP
+#define KOKKOSMOE_EXPERTS_HOSTGEMM_HPP
+
+/// \file impl/KokkosMoE_Experts_HostGemm.hpp
+/// \brief FP32 GEMMs of any transposition (NN, NT, TN) on host execution
+/// spaces with the grouped runner's register-blocked micro-kernels
+/// (impl/KokkosMoE_Experts_HostKernels.hpp), for the experts' backward.
+///
+/// Every product is brought into the micro-kernels' form
+///
+///     C(j, r) (+)= sum_k B_j[k] S(k, r)
+///
+/// where the rows B_j are read in place (contiguous along k) and S is staged,
+/// R columns at a time, as a [kc][R] tile in team scratch (FP32, zero beyond
+/// its columns). The reduction runs in blocks of at most host_gemm_kc steps
+/// (a staged tile stays in L2); later blocks add to C. Per C = op(A) op(B):
+///
+/// - NN: B_j = row i of A (j = i), S(k, r) = B[k][r]: tiles are contiguous
+///   runs of B's rows, results contiguous runs of C's rows.
+/// - NT: B_j = row i of A, S(k, r) = B[r][k] (the tile staged transposed).
+/// - TN: A copied transposed first (a blocked transpose into the caller's
+///   scratch: both operands run along the rows of their matrices, and one
+///   must run along k in place), then as NN.
+///
+/// Each result element adds its products in increasing k, one block after
+/// the other, whatever the matrices' other extents and however the work is
+/// split between threads: a row's bits do not depend on how many rows share
+/// the call.
+
+#include <KokkosMoE_Error.hpp>
+#include <KokkosMoE_KokkosCompat.hpp>
+#include <KokkosMoE_Types.hpp>
+#include <impl/KokkosMoE_Experts_HostKernels.hpp>
+
+#include <Kokkos_Core.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace KokkosMoE {
+namespace Experts {
+namespace Impl {
+
+/// \brief Reduction steps per staged tile.
+constexpr int host_gemm_kc = 2048;
+
+/// \brief One product in the micro-kernels' form (see the file comment).
+struct HostProduct {
+  int J = 0, N = 0, K = 0;       ///< rows read in place, staged columns, reduction length
+  float const* b = nullptr;      ///< row j at b + j * ldb, contiguous along k
+  long ldb = 0;
+  float const* s = nullptr;      ///< S(k, r) = s[k * sk + r * sr]
+  long sk = 0, sr = 0;
+  float* c = nullptr;            ///< C(j, r) = c[j * cj + r * cr]
+  long cj = 0, cr = 0;
+  bool accumulate = false;       ///< add to C (else overwrite it)
+};
+
+/// Team functor of HostProduct: one work item per (tile of R staged
+/// columns, range of in-place rows); team size 1.
+template <class ExecutionSpace>
+struct HostProductTeams {
+  using policy_type = Kokkos::TeamPolicy<ExecutionSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
+  using member_type = typename policy_type::member_type;
+
+  HostProduct p;
+  HostKernelTable table;
+  int tiles = 0;   // tiles of R = max_vectors * vector_length staged columns
+  int groups = 1;  // ranges of in-place rows per tile
+
+  static constexpr std::size_t align = 64;
+  static std::size_t round_up(std::size_t n) { return (n + align - 1) / align * align; }
+  int R() const { return table.max_vectors * table.vector_length; }
+  int nrw_max() const {
+    int m = 0;
+    for (int v = 1; v <= table.max_vectors; ++v) m = std::max(m, table.nrw[v]);
+    return m;
+  }
+  int kc_max() const { return std::max(1, std::min(p.K, host_gemm_kc)); }
+  std::size_t xt_floats() const { return round_up(static_cast<std::size_t>(kc_max()) * R() * sizeof(float)) / sizeof(float); }
+  std::size_t tail_floats() const { return round_up(static_cast<std::size_t>(kc_max()) * nrw_max() * sizeof(float)) / sizeof(float); }
+  std::size_t acc_floats() const { return round_up(static_cast<std::size_t>(nrw_max()) * R() * sizeof(float)) / sizeof(float); }
+  std::size_t scratch_bytes() const { return align + (xt_floats() + tail_floats() + acc_floats()) * sizeof(float); }
+
+  void operator()(member_type const& team) const {
+    int const item = team.league_rank();
+    int const t = item / groups, g = item % groups;
+    int const VL = table.vector_length;
+    int const r0 = t * R();
+    int const cols = std::min(R(), p.N - r0);
+    int const mv = (cols + VL - 1) / VL, Rt = mv * VL;
+    int const nrw = table.nrw[mv], h = nrw / 2;
+    // In-place rows of this group, in whole steps of nrw rows.
+    int const steps = (p.J + nrw - 1) / nrw;
+    int const per = (steps + groups - 1) / groups;
+    int const j_begin = std::min(p.J, g * per * nrw), j_end = std::min(p.J, (g + 1) * per * nrw);
+    if (j_begin >= j_end) return;
+    auto raw = reinterpret_cast<std::uintptr_t>(team.team_scratch(1).get_shmem(scratch_bytes()));
+    float* const xt = reinterpret_cast<float*>((raw + align - 1) / align * align);
+    float* const tail = xt + xt_floats();
+    float* const acc = tail + tail_floats();
+    for (int k0 = 0; k0 < p.K; k0 += host_gemm_kc) {
+      int const kc = std::min(host_gemm_kc, p.K - k0);
+      stage(k0, kc, r0, cols, Rt, xt);
+      bool const add = p.accumulate || k0 > 0;
+      for (int j0 = j_begin; j0 < j_end; j0 += nrw) {
+        int const nj = std::min(nrw, j_end - j0);
+        if (nj == nrw) {
+          float const* w = p.b + static_cast<long>(j0) * p.ldb + k0;
+          table.f32[mv](kc, xt, w, w + static_cast<long>(h) * p.ldb, p.ldb, acc);
+        } else {
+          // The last rows: copied (the last one repeated) so that nothing
+          // past the matrix is read.
+          for (int j = 0; j < nrw; ++j)
+            std::memcpy(tail + static_cast<std::size_t>(j) * kc, p.b + static_cast<long>(j0 + std::min(j, nj - 1)) * p.ldb + k0,
+                        static_cast<std::size_t>(kc) * sizeof(float));
+          table.f32[mv](kc, xt, tail, tail + static_cast<std::size_t>(h) * kc, kc, acc);
+        }
+        store(j0, nj, r0, cols, Rt, acc, add);
+      }
+    }
+  }
+
+  /// xt[k * Rt + r] = S(k0 + k, r0 + r), zero for r >= cols.
+  void stage(int k0, int kc, int r0, int cols, int Rt, float* xt) const {
+    if (p.sr == 1) {
+      for (int k = 0; k < kc; ++k) {
+        float* dst = xt + static_cast<std::size_t>(k) * Rt;
+        std::memcpy(dst, p.s + static_cast<long>(k0 + k) * p.sk + r0, static_cast<std::size_t>(cols) * sizeof(float));
+        for (int r = cols; r < Rt; ++r) dst[r] = 0.0f;
+      }
+      return;
+    }
+    for (int r = 0; r < Rt; ++r) {
+      if (r < cols) {
+        float const* src = p.s + static_cast<long>(r0 + r) * p.sr + static_cast<long>(k0) * p.sk;
+        for (int k = 0; k < kc; ++k) xt[static_cast<std::size_t>(k) * Rt + r] = src[static_cast<long>(k) * p.sk];
+      } else {
+        for (int k = 0; k < kc; ++k) xt[static_cast<std::size_t>(k) * Rt + r] = 0.0f;
+      }
+    }
+  }
+
+  void store(int j0, int nj, int r0, int cols, int Rt, float const* acc, bool add) const {
+    for (int j = 0; j < nj; ++j) {
+      float* dst = p.c + static_cast<long>(j0 + j) * p.cj + static_cast<long>(r0) * p.cr;
+      float const* a = acc + static_cast<std::size_t>(j) * Rt;
+      if (add)
+        for (int r = 0; r < cols; ++r) dst[r * p.cr] += a[r];
+      else
+        for (int r = 0; r < cols; ++r) dst[r * p.cr] = a[r];
+    }
+  }
+};
+
+/// \brief Runs one product on exec (a host execution space).
+template <class ExecutionSpace>
+void run_host_product(ExecutionSpace const& exec, HostKernelTable const& table, HostProduct const& p) {
+  static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, Kokkos::HostSpace>::accessible,
+                "host products run on host execution spaces");
+  if (p.J == 0 || p.N == 0) return;
+  if (p.K == 0) {
+    // An empty reduction: C = 0 (or unchanged).
+    if (!p.accumulate)
+      for (int j = 0; j < p.J; ++j)
+        for (int r = 0; r < p.N; ++r) p.c[static_cast<long>(j) * p.cj + static_cast<long>(r) * p.cr] = 0.0f;
+    return;
+  }
+  HostProductTeams<ExecutionSpace> f;
+  f.p = p;
+  f.table = table;
+  f.tiles = (p.N + f.R() - 1) / f.R();
+  // Enough items for every thread (a few each), in whole steps of rows.
+  int const threads = std::max(1, static_cast<int>(exec.concurrency()));
+  int const steps = (p.J + f.nrw_max() - 1) / f.nrw_max();
+  f.groups = std::max(1, std::min(steps, (4 * threads + f.tiles - 1) / f.tiles));
+  typename HostProductTeams<ExecutionSpace>::policy_type policy(exec, f.tiles * f.groups, 1);
+  Kokkos::parallel_for("KokkosMoE::Experts::host_gemm", policy.set_scratch_size(1, Kokkos::PerTeam(f.scratch_bytes())), f);
+}
+
+/// \brief at[i][k] = a[k][i] for a [K][M] matrix a with row stride lda.
+template <class ExecutionSpace>
+void host_transpose(ExecutionSpace const& exec, int K, int M, float const* a, long lda, float* at) {
+  constexpr int B = 32;
+  int const bm = (M + B - 1) / B;
+  Kokkos::parallel_for(
+      "KokkosMoE::Experts::host_transpose", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, bm * ((K + B - 1) / B)), [=](int blk) {
+        int const i0 = (blk % bm) * B, k0 = (blk / bm) * B;
+        int const ie = std::min(M, i0 + B), ke = std::min(K, k0 + B);
+        for (int i = i0; i < ie; ++i)
+          for (int k = k0; k < ke; ++k) at[static_cast<long>(i) * K + k] = a[static_cast<long>(k) * lda + i];
+      });
+}
+
+/// \brief C = op(A) op(B) + beta C (beta 0 or 1) for FP32 row-major views on
+/// a host execution space, op 'N' or 'T' ('T','T' is not supported). TN
+/// products transpose A into `scratch` (at least rows(op(A)) * K floats).
+/// Throws Error naming mismatched extents.
+template <class ExecutionSpace, class AV, class BV, class CV>
+void host_gemm(ExecutionSpace const& exec, HostKernelTable const& table, char ta, char tb, AV const& A, BV const& B, float beta,
+               CV const& C, float* scratch) {
+  auto stride_ok = [](auto const& v) { return v.extent(0) <= 1 || v.extent(1) <= 1 || v.stride(1) == 1; };
+  KOKKOSMOE_REQUIRE(stride_ok(A) && stride_ok(B) && stride_ok(C), "host_gemm: operands must be row-major");
+  KOKKOSMOE_REQUIRE((ta == 'N' || ta == 'T') && (tb == 'N' || tb == 'T') && !(ta == 'T' && tb == 'T'),
+                    "host_gemm: op(A) op(B) with '" << ta << "', '" << tb << "' is not supported");
+  KOKKOSMOE_REQUIRE(beta == 0.0f || beta == 1.0f, "host_gemm: beta " << beta << " (0 or 1)");
+  int const M = static_cast<int>(ta == 'N' ? A.extent(0) : A.extent(1));
+  int const K = static_cast<int>(ta == 'N' ? A.extent(1) : A.extent(0));
+  int const KB = static_cast<int>(tb == 'N' ? B.extent(0) : B.extent(1));
+  int const N = static_cast<int>(tb == 'N' ? B.extent(1) : B.extent(0));
+  KOKKOSMOE_REQUIRE(K == KB && static_cast<int>(C.extent(0)) == M && static_cast<int>(C.extent(1)) == N,
+                    "host_gemm: op(A) is " << M << "x" << K << ", op(B) " << KB << "x" << N << ", C " << C.extent(0) << "x"
+                                           << C.extent(1));
+  auto ld = [](auto const& v) { return static_cast<long>(v.extent(0) > 1 ? v.stride(0) : v.extent(1)); };
+  HostProduct p;
+  p.J = M;
+  p.N = N;
+  p.K = K;
+  p.c = C.data();
+  p.cj = ld(C);
+  p.cr = 1;
+  p.accumulate = beta == 1.0f;
+  if (ta == 'N') {
+    p.b = A.data();
+    p.ldb = ld(A);
+  } else {
+    KOKKOSMOE_REQUIRE(scratch != nullptr || M == 0 || K == 0, "host_gemm: a TN product needs scratch for A transposed");
+    if (M > 0 && K > 0) host_transpose(exec, K, M, A.data(), ld(A), scratch);
+    p.b = scratch;
+    p.ldb = K;
+  }
+  p.s = B.data();
+  if (tb == 'N') {
+    p.sk = ld(B);
+    p.sr = 1;
+  } else {
+    p.sk = 1;
+    p.sr = ld(B);
+  }
+  run_host_product(exec, table, p);
+}
+
+}  // namespace Impl
+}  // namespace Experts
+}  // namespace KokkosMoE
+
+#endif
