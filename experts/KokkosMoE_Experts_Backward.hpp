@@ -167,20 +167,30 @@ class Backward {
     auto H = ws_.template matrix<float>(exec, "h", n, dff);
     auto Yf = float_target(exec, Y, n, d);
     Weights32 W;
-    for (int q = 0; q < w.num_slots(); ++q) {
-      auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
-      if (r.first == r.second) continue;
-      slot_weights(exec, w, q, W);
-      auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-      product(exec, 'N', 'T', Xq, W.gate, 0.0f, Kokkos::subview(saved.gate, r, Kokkos::ALL));
-      product(exec, 'N', 'T', Xq, W.up, 0.0f, Kokkos::subview(saved.up, r, Kokkos::ALL));
+    if (auto const* table = host_table()) {
+      host_rows_by_weights_t(exec, *table, offs, Xf.data(), d, w.gate(), saved.gate.data(), dff, false);
+      host_rows_by_weights_t(exec, *table, offs, Xf.data(), d, w.up(), saved.up.data(), dff, false);
+    } else {
+      for (int q = 0; q < w.num_slots(); ++q) {
+        auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
+        if (r.first == r.second) continue;
+        slot_weights(exec, w, q, W);
+        auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
+        gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(saved.gate, r, Kokkos::ALL), options_.gemm_path);
+        gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(saved.up, r, Kokkos::ALL), options_.gemm_path);
+      }
     }
     Impl::swiglu_rows(exec, saved.gate, saved.up, H);
-    for (int q = 0; q < w.num_slots(); ++q) {
-      auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
-      if (r.first == r.second) continue;
-      slot_weights(exec, w, q, W);
-      product(exec, 'N', 'T', Kokkos::subview(H, r, Kokkos::ALL), W.down, 0.0f, Kokkos::subview(Yf, r, Kokkos::ALL));
+    if (auto const* table = host_table()) {
+      host_rows_by_weights_t(exec, *table, offs, H.data(), dff, w.down(), Yf.data(), d, false);
+    } else {
+      for (int q = 0; q < w.num_slots(); ++q) {
+        auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
+        if (r.first == r.second) continue;
+        slot_weights(exec, w, q, W);
+        gemm(exec, 'N', 'T', 1.0f, Kokkos::subview(H, r, Kokkos::ALL), W.down, 0.0f, Kokkos::subview(Yf, r, Kokkos::ALL),
+             options_.gemm_path);
+      }
     }
     finish_target(exec, Yf, Y);
     Compat::fence(exec, "KokkosMoE::Experts::Backward::forward_keep");
@@ -235,6 +245,7 @@ class Backward {
       }
     }
     GemmPath ran = GemmPath::generic;
+    auto const* table = host_table();
     if (n > 0) {
       auto Xf = as_float(exec, X, "x");
       auto dYf = as_float(exec, dY, "dy");
@@ -245,14 +256,19 @@ class Backward {
       if (recompute) {
         auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
         auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
-        for (int q = 0; q < L; ++q) {
-          auto const r = segment(offs, q);
-          if (r.first == r.second) continue;
-          slot_weights(exec, w, q, W);
-          auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-          product(exec, 'N', 'T', Xq, W.gate, 0.0f, Kokkos::subview(Gr, r, Kokkos::ALL));
-          product(exec, 'N', 'T', Xq, W.up, 0.0f, Kokkos::subview(Ur, r, Kokkos::ALL));
-          ledger.kernel_launches += 2;
+        if (table) {
+          ledger.kernel_launches += host_rows_by_weights_t(exec, *table, offs, Xf.data(), d, w.gate(), Gr.data(), dff, false);
+          ledger.kernel_launches += host_rows_by_weights_t(exec, *table, offs, Xf.data(), d, w.up(), Ur.data(), dff, false);
+        } else {
+          for (int q = 0; q < L; ++q) {
+            auto const r = segment(offs, q);
+            if (r.first == r.second) continue;
+            slot_weights(exec, w, q, W);
+            auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
+            gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(Gr, r, Kokkos::ALL), options_.gemm_path);
+            gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(Ur, r, Kokkos::ALL), options_.gemm_path);
+            ledger.kernel_launches += 2;
+          }
         }
         G = Gr;
         U = Ur;
@@ -265,31 +281,44 @@ class Backward {
       Impl::swiglu_rows(exec, G, U, H);
       ledger.kernel_launches += 1;
       // dH = dY W2 and dW2 = dY^T H, per segment.
-      for (int q = 0; q < L; ++q) {
-        auto const r = segment(offs, q);
-        if (r.first == r.second) continue;
-        slot_weights(exec, w, q, W);
-        auto dYq = Kokkos::subview(dYf, r, Kokkos::ALL);
-        ran = product(exec, 'N', 'N', dYq, W.down, 0.0f, Kokkos::subview(dH, r, Kokkos::ALL));
-        product(exec, 'T', 'N', dYq, Kokkos::subview(H, r, Kokkos::ALL), beta, Kokkos::subview(grads.down, q, Kokkos::ALL, Kokkos::ALL));
-        ledger.kernel_launches += 2;
+      if (table) {
+        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, dYf.data(), d, w.down(), dH.data(), dff);
+        ledger.kernel_launches += host_weight_gradients(exec, *table, offs, {{dYf.data(), H.data(), grads.down.data()}}, d, dff);
+      } else {
+        for (int q = 0; q < L; ++q) {
+          auto const r = segment(offs, q);
+          if (r.first == r.second) continue;
+          slot_weights(exec, w, q, W);
+          auto dYq = Kokkos::subview(dYf, r, Kokkos::ALL);
+          ran = gemm(exec, 'N', 'N', 1.0f, dYq, W.down, 0.0f, Kokkos::subview(dH, r, Kokkos::ALL), options_.gemm_path);
+          gemm(exec, 'T', 'N', 1.0f, dYq, Kokkos::subview(H, r, Kokkos::ALL), beta,
+               Kokkos::subview(grads.down, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+          ledger.kernel_launches += 2;
+        }
       }
       Impl::swiglu_backward_rows(exec, G, U, dH, H);  // dH <- dG, H <- dU
       ledger.kernel_launches += 1;
       // dX = dG W1 + dU W3, dW1 = dG^T X, dW3 = dU^T X, per segment.
-      for (int q = 0; q < L; ++q) {
-        auto const r = segment(offs, q);
-        if (r.first == r.second) continue;
-        slot_weights(exec, w, q, W);
-        auto dGq = Kokkos::subview(dH, r, Kokkos::ALL);
-        auto dUq = Kokkos::subview(H, r, Kokkos::ALL);
-        auto dXq = Kokkos::subview(dXf, r, Kokkos::ALL);
-        auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-        product(exec, 'N', 'N', dGq, W.gate, 0.0f, dXq);
-        product(exec, 'N', 'N', dUq, W.up, 1.0f, dXq);
-        product(exec, 'T', 'N', dGq, Xq, beta, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL));
-        product(exec, 'T', 'N', dUq, Xq, beta, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL));
-        ledger.kernel_launches += 4;
+      if (table) {
+        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, dH.data(), dff, w.gate(), dXf.data(), d);
+        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, H.data(), dff, w.up(), dXf.data(), d, true);
+        ledger.kernel_launches += host_weight_gradients(
+            exec, *table, offs, {{dH.data(), Xf.data(), grads.gate.data()}, {H.data(), Xf.data(), grads.up.data()}}, dff, d);
+      } else {
+        for (int q = 0; q < L; ++q) {
+          auto const r = segment(offs, q);
+          if (r.first == r.second) continue;
+          slot_weights(exec, w, q, W);
+          auto dGq = Kokkos::subview(dH, r, Kokkos::ALL);
+          auto dUq = Kokkos::subview(H, r, Kokkos::ALL);
+          auto dXq = Kokkos::subview(dXf, r, Kokkos::ALL);
+          auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
+          gemm(exec, 'N', 'N', 1.0f, dGq, W.gate, 0.0f, dXq, options_.gemm_path);
+          gemm(exec, 'N', 'N', 1.0f, dUq, W.up, 1.0f, dXq, options_.gemm_path);
+          gemm(exec, 'T', 'N', 1.0f, dGq, Xq, beta, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+          gemm(exec, 'T', 'N', 1.0f, dUq, Xq, beta, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+          ledger.kernel_launches += 4;
+        }
       }
       finish_target(exec, dXf, dX);
     }
@@ -317,19 +346,91 @@ class Backward {
   }
   Impl::HostKernelTable const* host_table() const { return host_table_for(options_.gemm_path); }
 
-  /// C = op(A) op(B) + beta C on the host micro-kernels (host_table()) or
-  /// through KokkosMoE::gemm on the deck's path; returns the GEMM path gemm took.
-  template <class AV, class BV, class CV>
-  GemmPath product(ExecutionSpace const& exec, char ta, char tb, AV const& A, BV const& B, float beta, CV const& C) {
-    if constexpr (Impl::is_host_exec<ExecutionSpace>()) {
-      if (auto const* table = host_table()) {
-        RowMatrix<float, MemorySpace> at;
-        if (ta == 'T') at = ws_.template matrix<float>(exec, "at", static_cast<index_t>(A.extent(1)), A.extent(0));
-        Impl::host_gemm(exec, *table, ta, tb, A, B, beta, C, at.data());
-        return GemmPath::generic;
+  // The GEMM phases on the host micro-kernels, each one launch over every
+  // segment (impl/KokkosMoE_Experts_HostGemm.hpp); expert weights (float or
+  // bf16) are staged straight from their tensors. Each returns its launches.
+
+  /// out_q = in_q W_q^T for W [L, N, K] (rows of K in, N out).
+  template <class WV>
+  int host_rows_by_weights_t(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
+                             float const* in, int K, WV const& W, float* out, int N, bool accumulate) {
+    using SV = typename WV::non_const_value_type;
+    std::vector<Impl::HostProductOf<SV>> list;
+    for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
+      index_t const m = offs[q + 1] - offs[q];
+      if (m == 0) continue;
+      Impl::HostProductOf<SV> p;
+      p.J = static_cast<int>(m), p.N = N, p.K = K;
+      p.b = in + offs[q] * K, p.ldb = K;
+      p.s = W.data() + q * static_cast<std::size_t>(N) * K, p.sk = 1, p.sr = K;
+      p.c = out + offs[q] * N, p.cj = N, p.cr = 1;
+      p.accumulate = accumulate;
+      list.push_back(p);
+    }
+    if constexpr (Impl::is_host_exec<ExecutionSpace>()) return Impl::run_host_products(exec, table, list);
+    return 0;
+  }
+
+  /// out_q (+)= in_q W_q for W [L, K, N] (rows of K in, N out).
+  template <class WV>
+  int host_rows_by_weights(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
+                           float const* in, int K, WV const& W, float* out, int N, bool accumulate = false) {
+    using SV = typename WV::non_const_value_type;
+    std::vector<Impl::HostProductOf<SV>> list;
+    for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
+      index_t const m = offs[q + 1] - offs[q];
+      if (m == 0) continue;
+      Impl::HostProductOf<SV> p;
+      p.J = static_cast<int>(m), p.N = N, p.K = K;
+      p.b = in + offs[q] * K, p.ldb = K;
+      p.s = W.data() + q * static_cast<std::size_t>(K) * N, p.sk = N, p.sr = 1;
+      p.c = out + offs[q] * N, p.cj = N, p.cr = 1;
+      p.accumulate = accumulate;
+      list.push_back(p);
+    }
+    if constexpr (Impl::is_host_exec<ExecutionSpace>()) return Impl::run_host_products(exec, table, list);
+    return 0;
+  }
+
+  /// One weight gradient: grad_q (+)= lhs_q^T rhs_q for lhs [n, J], rhs
+  /// [n, N] and grad [L, J, N].
+  struct GradientTerm {
+    float const* lhs;
+    float const* rhs;
+    float* grad;
+  };
+  /// The terms' weight gradients (J x N each), all in one launch after one
+  /// launch that transposes every term's segments of lhs; segments without
+  /// rows are left alone (backward zeroes them unless accumulating).
+  int host_weight_gradients(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
+                            std::vector<GradientTerm> const& terms, int J, int N) {
+    index_t const n = offs.back();
+    std::vector<Impl::HostTranspose> transposes;
+    std::vector<Impl::HostProduct> list;
+    std::vector<RowMatrix<float, MemorySpace>> scratch;
+    for (std::size_t t = 0; t < terms.size(); ++t) {
+      scratch.push_back(ws_.template matrix<float>(exec, "lhs_t" + std::to_string(t), n, static_cast<std::size_t>(J)));
+      float* const at = scratch.back().data();
+      for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
+        index_t const m = offs[q + 1] - offs[q];
+        if (m == 0) continue;
+        // lhs_q^T [J, m] at at + offs[q] * J.
+        transposes.push_back({static_cast<int>(m), J, terms[t].lhs + offs[q] * J, J, at + offs[q] * J});
+        Impl::HostProduct p;
+        p.J = J, p.N = N, p.K = static_cast<int>(m);
+        p.b = at + offs[q] * J, p.ldb = static_cast<long>(m);
+        p.s = terms[t].rhs + offs[q] * N, p.sk = N, p.sr = 1;
+        p.c = terms[t].grad + q * static_cast<std::size_t>(J) * N, p.cj = N, p.cr = 1;
+        p.accumulate = options_.accumulate;
+        list.push_back(p);
       }
     }
-    return gemm(exec, ta, tb, 1.0f, A, B, beta, C, options_.gemm_path);
+    if (list.empty()) return 0;
+    if constexpr (Impl::is_host_exec<ExecutionSpace>()) {
+      Impl::host_transposes(exec, transposes);
+      return 1 + Impl::run_host_products(exec, table, list);
+    }
+    return 0;
   }
 
   using float_matrix = Impl::Unmanaged2D<float, MemorySpace>;

@@ -26,9 +26,14 @@
 /// the other, whatever the matrices' other extents and however the work is
 /// split between threads: a row's bits do not depend on how many rows share
 /// the call.
+///
+/// Grouped: run_host_products takes a list of products (the experts'
+/// segments of one GEMM phase) and runs them in one launch; the staged
+/// operand may be bf16 (expert weights), converted to FP32 as it is staged.
 
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
+#include <KokkosMoE_Payload.hpp>
 #include <KokkosMoE_Types.hpp>
 #include <impl/KokkosMoE_Experts_HostKernels.hpp>
 
@@ -37,6 +42,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace KokkosMoE {
 namespace Experts {
@@ -45,29 +52,37 @@ namespace Impl {
 /// \brief Reduction steps per staged tile.
 constexpr int host_gemm_kc = 2048;
 
-/// \brief One product in the micro-kernels' form (see the file comment).
-struct HostProduct {
+/// \brief One product in the micro-kernels' form (see the file comment);
+/// the staged operand S holds SV (float, or bf16_t converted as staged).
+template <class SV>
+struct HostProductOf {
   int J = 0, N = 0, K = 0;       ///< rows read in place, staged columns, reduction length
   float const* b = nullptr;      ///< row j at b + j * ldb, contiguous along k
   long ldb = 0;
-  float const* s = nullptr;      ///< S(k, r) = s[k * sk + r * sr]
+  SV const* s = nullptr;         ///< S(k, r) = s[k * sk + r * sr]
   long sk = 0, sr = 0;
   float* c = nullptr;            ///< C(j, r) = c[j * cj + r * cr]
   long cj = 0, cr = 0;
   bool accumulate = false;       ///< add to C (else overwrite it)
 };
+using HostProduct = HostProductOf<float>;
 
-/// Team functor of HostProduct: one work item per (tile of R staged
-/// columns, range of in-place rows); team size 1.
-template <class ExecutionSpace>
+/// A work item of a launch: product, tile of staged columns, range of rows.
+struct HostProductItem {
+  int product, tile, group, groups;
+};
+
+/// Team functor of a list of products: one work item per (product, tile of
+/// R staged columns, range of in-place rows); team size 1.
+template <class ExecutionSpace, class SV>
 struct HostProductTeams {
   using policy_type = Kokkos::TeamPolicy<ExecutionSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
   using member_type = typename policy_type::member_type;
 
-  HostProduct p;
+  Kokkos::View<HostProductOf<SV>*, Kokkos::HostSpace> products;
+  Kokkos::View<HostProductItem*, Kokkos::HostSpace> items;
   HostKernelTable table;
-  int tiles = 0;   // tiles of R = max_vectors * vector_length staged columns
-  int groups = 1;  // ranges of in-place rows per tile
+  int kc_max = 1;  // longest reduction block of any product
 
   static constexpr std::size_t align = 64;
   static std::size_t round_up(std::size_t n) { return (n + align - 1) / align * align; }
@@ -77,24 +92,23 @@ struct HostProductTeams {
     for (int v = 1; v <= table.max_vectors; ++v) m = std::max(m, table.nrw[v]);
     return m;
   }
-  int kc_max() const { return std::max(1, std::min(p.K, host_gemm_kc)); }
-  std::size_t xt_floats() const { return round_up(static_cast<std::size_t>(kc_max()) * R() * sizeof(float)) / sizeof(float); }
-  std::size_t tail_floats() const { return round_up(static_cast<std::size_t>(kc_max()) * nrw_max() * sizeof(float)) / sizeof(float); }
+  std::size_t xt_floats() const { return round_up(static_cast<std::size_t>(kc_max) * R() * sizeof(float)) / sizeof(float); }
+  std::size_t tail_floats() const { return round_up(static_cast<std::size_t>(kc_max) * nrw_max() * sizeof(float)) / sizeof(float); }
   std::size_t acc_floats() const { return round_up(static_cast<std::size_t>(nrw_max()) * R() * sizeof(float)) / sizeof(float); }
   std::size_t scratch_bytes() const { return align + (xt_floats() + tail_floats() + acc_floats()) * sizeof(float); }
 
   void operator()(member_type const& team) const {
-    int const item = team.league_rank();
-    int const t = item / groups, g = item % groups;
+    HostProductItem const it = items(team.league_rank());
+    HostProductOf<SV> const& p = products(it.product);
     int const VL = table.vector_length;
-    int const r0 = t * R();
+    int const r0 = it.tile * R();
     int const cols = std::min(R(), p.N - r0);
     int const mv = (cols + VL - 1) / VL, Rt = mv * VL;
     int const nrw = table.nrw[mv], h = nrw / 2;
     // In-place rows of this group, in whole steps of nrw rows.
     int const steps = (p.J + nrw - 1) / nrw;
-    int const per = (steps + groups - 1) / groups;
-    int const j_begin = std::min(p.J, g * per * nrw), j_end = std::min(p.J, (g + 1) * per * nrw);
+    int const per = (steps + it.groups - 1) / it.groups;
+    int const j_begin = std::min(p.J, it.group * per * nrw), j_end = std::min(p.J, (it.group + 1) * per * nrw);
     if (j_begin >= j_end) return;
     auto raw = reinterpret_cast<std::uintptr_t>(team.team_scratch(1).get_shmem(scratch_bytes()));
     float* const xt = reinterpret_cast<float*>((raw + align - 1) / align * align);
@@ -102,7 +116,7 @@ struct HostProductTeams {
     float* const acc = tail + tail_floats();
     for (int k0 = 0; k0 < p.K; k0 += host_gemm_kc) {
       int const kc = std::min(host_gemm_kc, p.K - k0);
-      stage(k0, kc, r0, cols, Rt, xt);
+      stage(p, k0, kc, r0, cols, Rt, xt);
       bool const add = p.accumulate || k0 > 0;
       for (int j0 = j_begin; j0 < j_end; j0 += nrw) {
         int const nj = std::min(nrw, j_end - j0);
@@ -117,32 +131,36 @@ struct HostProductTeams {
                         static_cast<std::size_t>(kc) * sizeof(float));
           table.f32[mv](kc, xt, tail, tail + static_cast<std::size_t>(h) * kc, kc, acc);
         }
-        store(j0, nj, r0, cols, Rt, acc, add);
+        store(p, j0, nj, r0, cols, Rt, acc, add);
       }
     }
   }
 
-  /// xt[k * Rt + r] = S(k0 + k, r0 + r), zero for r >= cols.
-  void stage(int k0, int kc, int r0, int cols, int Rt, float* xt) const {
+  /// xt[k * Rt + r] = S(k0 + k, r0 + r) as FP32, zero for r >= cols.
+  static void stage(HostProductOf<SV> const& p, int k0, int kc, int r0, int cols, int Rt, float* xt) {
     if (p.sr == 1) {
       for (int k = 0; k < kc; ++k) {
         float* dst = xt + static_cast<std::size_t>(k) * Rt;
-        std::memcpy(dst, p.s + static_cast<long>(k0 + k) * p.sk + r0, static_cast<std::size_t>(cols) * sizeof(float));
+        SV const* src = p.s + static_cast<long>(k0 + k) * p.sk + r0;
+        if constexpr (std::is_same<SV, float>::value)
+          std::memcpy(dst, src, static_cast<std::size_t>(cols) * sizeof(float));
+        else
+          for (int r = 0; r < cols; ++r) dst[r] = to_float(src[r]);
         for (int r = cols; r < Rt; ++r) dst[r] = 0.0f;
       }
       return;
     }
     for (int r = 0; r < Rt; ++r) {
       if (r < cols) {
-        float const* src = p.s + static_cast<long>(r0 + r) * p.sr + static_cast<long>(k0) * p.sk;
-        for (int k = 0; k < kc; ++k) xt[static_cast<std::size_t>(k) * Rt + r] = src[static_cast<long>(k) * p.sk];
+        SV const* src = p.s + static_cast<long>(r0 + r) * p.sr + static_cast<long>(k0) * p.sk;
+        for (int k = 0; k < kc; ++k) xt[static_cast<std::size_t>(k) * Rt + r] = to_float(src[static_cast<long>(k) * p.sk]);
       } else {
         for (int k = 0; k < kc; ++k) xt[static_cast<std::size_t>(k) * Rt + r] = 0.0f;
       }
     }
   }
 
-  void store(int j0, int nj, int r0, int cols, int Rt, float const* acc, bool add) const {
+  static void store(HostProductOf<SV> const& p, int j0, int nj, int r0, int cols, int Rt, float const* acc, bool add) {
     for (int j = 0; j < nj; ++j) {
       float* dst = p.c + static_cast<long>(j0 + j) * p.cj + static_cast<long>(r0) * p.cr;
       float const* a = acc + static_cast<std::size_t>(j) * Rt;
@@ -154,42 +172,86 @@ struct HostProductTeams {
   }
 };
 
-/// \brief Runs one product on exec (a host execution space).
-template <class ExecutionSpace>
-void run_host_product(ExecutionSpace const& exec, HostKernelTable const& table, HostProduct const& p) {
+/// \brief Runs a list of products (disjoint outputs) in one launch on exec
+/// (a host execution space); returns the number of launches (0 or 1).
+template <class ExecutionSpace, class SV>
+int run_host_products(ExecutionSpace const& exec, HostKernelTable const& table, std::vector<HostProductOf<SV>> const& list) {
   static_assert(Kokkos::SpaceAccessibility<ExecutionSpace, Kokkos::HostSpace>::accessible,
                 "host products run on host execution spaces");
-  if (p.J == 0 || p.N == 0) return;
-  if (p.K == 0) {
-    // An empty reduction: C = 0 (or unchanged).
-    if (!p.accumulate)
-      for (int j = 0; j < p.J; ++j)
-        for (int r = 0; r < p.N; ++r) p.c[static_cast<long>(j) * p.cj + static_cast<long>(r) * p.cr] = 0.0f;
-    return;
-  }
-  HostProductTeams<ExecutionSpace> f;
-  f.p = p;
+  using F = HostProductTeams<ExecutionSpace, SV>;
+  F f;
   f.table = table;
-  f.tiles = (p.N + f.R() - 1) / f.R();
-  // Enough items for every thread (a few each), in whole steps of rows.
+  std::vector<HostProductItem> items;
+  std::vector<HostProductOf<SV>> work;
   int const threads = std::max(1, static_cast<int>(exec.concurrency()));
-  int const steps = (p.J + f.nrw_max() - 1) / f.nrw_max();
-  f.groups = std::max(1, std::min(steps, (4 * threads + f.tiles - 1) / f.tiles));
-  typename HostProductTeams<ExecutionSpace>::policy_type policy(exec, f.tiles * f.groups, 1);
+  for (auto const& p : list) {
+    if (p.J == 0 || p.N == 0) continue;
+    if (p.K == 0) {
+      // An empty reduction: C = 0 (or unchanged).
+      if (!p.accumulate)
+        for (int j = 0; j < p.J; ++j)
+          for (int r = 0; r < p.N; ++r) p.c[static_cast<long>(j) * p.cj + static_cast<long>(r) * p.cr] = 0.0f;
+      continue;
+    }
+    int const tiles = (p.N + f.R() - 1) / f.R();
+    // Enough items for every thread (a few each), in whole steps of rows.
+    int const steps = (p.J + f.nrw_max() - 1) / f.nrw_max();
+    int const groups = std::max(1, std::min(steps, (4 * threads + tiles - 1) / tiles));
+    for (int t = 0; t < tiles; ++t)
+      for (int g = 0; g < groups; ++g) items.push_back({static_cast<int>(work.size()), t, g, groups});
+    f.kc_max = std::max(f.kc_max, std::min(p.K, host_gemm_kc));
+    work.push_back(p);
+  }
+  if (items.empty()) return 0;
+  f.products = Kokkos::View<HostProductOf<SV>*, Kokkos::HostSpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::host_products"),
+                                                                    work.size());
+  f.items = Kokkos::View<HostProductItem*, Kokkos::HostSpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::host_items"),
+                                                              items.size());
+  std::copy(work.begin(), work.end(), f.products.data());
+  std::copy(items.begin(), items.end(), f.items.data());
+  typename F::policy_type policy(exec, static_cast<int>(items.size()), 1);
   Kokkos::parallel_for("KokkosMoE::Experts::host_gemm", policy.set_scratch_size(1, Kokkos::PerTeam(f.scratch_bytes())), f);
+  return 1;
 }
 
-/// \brief at[i][k] = a[k][i] for a [K][M] matrix a with row stride lda.
+/// \brief Runs one product on exec (a host execution space).
+template <class ExecutionSpace, class SV>
+void run_host_product(ExecutionSpace const& exec, HostKernelTable const& table, HostProductOf<SV> const& p) {
+  run_host_products(exec, table, std::vector<HostProductOf<SV>>{p});
+}
+
+/// \brief Blocks of at[i][k] = a[k][i] (a [K][M] with row stride lda, at
+/// [M][K]): a list transposed in one launch.
+struct HostTranspose {
+  int K = 0, M = 0;
+  float const* a = nullptr;
+  long lda = 0;
+  float* at = nullptr;
+};
+
+/// \brief Transposes every matrix of the list in one launch (32 x 32 blocks).
 template <class ExecutionSpace>
-void host_transpose(ExecutionSpace const& exec, int K, int M, float const* a, long lda, float* at) {
+void host_transposes(ExecutionSpace const& exec, std::vector<HostTranspose> const& list) {
   constexpr int B = 32;
-  int const bm = (M + B - 1) / B;
+  struct Block {
+    int m, i0, k0;
+  };
+  std::vector<Block> blocks;
+  for (std::size_t m = 0; m < list.size(); ++m)
+    for (int k0 = 0; k0 < list[m].K; k0 += B)
+      for (int i0 = 0; i0 < list[m].M; i0 += B) blocks.push_back({static_cast<int>(m), i0, k0});
+  if (blocks.empty()) return;
+  Kokkos::View<HostTranspose*, Kokkos::HostSpace> l(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::host_transposes"), list.size());
+  Kokkos::View<Block*, Kokkos::HostSpace> bl(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::host_transpose_blocks"), blocks.size());
+  std::copy(list.begin(), list.end(), l.data());
+  std::copy(blocks.begin(), blocks.end(), bl.data());
   Kokkos::parallel_for(
-      "KokkosMoE::Experts::host_transpose", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, bm * ((K + B - 1) / B)), [=](int blk) {
-        int const i0 = (blk % bm) * B, k0 = (blk / bm) * B;
-        int const ie = std::min(M, i0 + B), ke = std::min(K, k0 + B);
-        for (int i = i0; i < ie; ++i)
-          for (int k = k0; k < ke; ++k) at[static_cast<long>(i) * K + k] = a[static_cast<long>(k) * lda + i];
+      "KokkosMoE::Experts::host_transpose", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, static_cast<int>(blocks.size())), [=](int b) {
+        Block const blk = bl(b);
+        HostTranspose const& t = l(blk.m);
+        int const ie = std::min(t.M, blk.i0 + B), ke = std::min(t.K, blk.k0 + B);
+        for (int i = blk.i0; i < ie; ++i)
+          for (int k = blk.k0; k < ke; ++k) t.at[static_cast<long>(i) * t.K + k] = t.a[static_cast<long>(k) * t.lda + i];
       });
 }
 
@@ -226,7 +288,7 @@ void host_gemm(ExecutionSpace const& exec, HostKernelTable const& table, char ta
     p.ldb = ld(A);
   } else {
     KOKKOSMOE_REQUIRE(scratch != nullptr || M == 0 || K == 0, "host_gemm: a TN product needs scratch for A transposed");
-    if (M > 0 && K > 0) host_transpose(exec, K, M, A.data(), ld(A), scratch);
+    host_transposes(exec, std::vector<HostTranspose>{{K, M, A.data(), ld(A), scratch}});
     p.b = scratch;
     p.ldb = K;
   }
