@@ -100,6 +100,24 @@ Kokkos::View<T*, MS> device_vector(std::vector<T> const& v, char const* label) {
   return d;
 }
 
+/// Rows i of [0, n) whose inverse repack position inv(i) is not where the
+/// runs put them: run k holds arrivals [af(k), af(k + 1)) at expert rows
+/// from ef(k) on (K runs). A free function: CUDA forbids extended device
+/// lambdas in protected member functions.
+template <class Exec, class MS, class Inv>
+index_t misplaced_rows(Exec const& exec, Kokkos::View<index_t*, MS> const& af, Kokkos::View<index_t*, MS> const& ef, int K,
+                       Inv const& inv, index_t n) {
+  index_t misplaced = 0;
+  Kokkos::parallel_reduce(
+      "KokkosMoE::Exchange::check_runs", Kokkos::RangePolicy<Exec>(exec, 0, n),
+      KOKKOS_LAMBDA(index_t i, index_t & bad) {
+        int const k = segment_of(af, K, i);
+        if (inv(i) != ef(k) + (i - af(k))) ++bad;
+      },
+      misplaced);
+  return misplaced;
+}
+
 /// The base of every exchange algorithm (shared state and checks; not a
 /// polymorphic interface: see AnyExchange for that).
 template <class Exec, class MemorySpace>
@@ -319,14 +337,7 @@ class ExchangeBase {
             if (K > 0 && h.repack.rows() > 0) {
               auto af = device_vector<MemorySpace>(direct.arrival_first, "KokkosMoE::Exchange::arrival_first");
               auto ef = device_vector<MemorySpace>(direct.expert_first, "KokkosMoE::Exchange::expert_first");
-              auto inv = h.repack.inv;
-              Kokkos::parallel_reduce(
-                  "KokkosMoE::Exchange::check_runs", Kokkos::RangePolicy<Exec>(exec, 0, h.repack.rows()),
-                  KOKKOS_LAMBDA(index_t i, index_t & bad) {
-                    int const k = segment_of(af, K, i);
-                    if (inv(i) != ef(k) + (i - af(k))) ++bad;
-                  },
-                  misplaced);
+              misplaced = misplaced_rows(exec, af, ef, K, h.repack.inv, h.repack.rows());
             }
             KOKKOSMOE_REQUIRE(h.repack.slot_counts == h.expert_counts && misplaced == 0,
                               to_string(algorithm_) << " dispatch: " << misplaced << " rows that arrived at rank " << me_
