@@ -168,8 +168,8 @@ class Backward {
     auto Yf = float_target(exec, Y, n, d);
     Weights32 W;
     if (auto const* table = host_table()) {
-      host_rows_by_weights_t(exec, *table, offs, Xf.data(), d, w.gate(), saved.gate.data(), dff, false);
-      host_rows_by_weights_t(exec, *table, offs, Xf.data(), d, w.up(), saved.up.data(), dff, false);
+      host_rows_by_weights(exec, *table, offs, Xf.data(), d, w.gate(), saved.gate.data(), dff, true);
+      host_rows_by_weights(exec, *table, offs, Xf.data(), d, w.up(), saved.up.data(), dff, true);
     } else {
       for (int q = 0; q < w.num_slots(); ++q) {
         auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
@@ -182,7 +182,7 @@ class Backward {
     }
     Impl::swiglu_rows(exec, saved.gate, saved.up, H);
     if (auto const* table = host_table()) {
-      host_rows_by_weights_t(exec, *table, offs, H.data(), dff, w.down(), Yf.data(), d, false);
+      host_rows_by_weights(exec, *table, offs, H.data(), dff, w.down(), Yf.data(), d, true);
     } else {
       for (int q = 0; q < w.num_slots(); ++q) {
         auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
@@ -257,8 +257,8 @@ class Backward {
         auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
         auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
         if (table) {
-          ledger.kernel_launches += host_rows_by_weights_t(exec, *table, offs, Xf.data(), d, w.gate(), Gr.data(), dff, false);
-          ledger.kernel_launches += host_rows_by_weights_t(exec, *table, offs, Xf.data(), d, w.up(), Ur.data(), dff, false);
+          ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, Xf.data(), d, w.gate(), Gr.data(), dff, true);
+          ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, Xf.data(), d, w.up(), Ur.data(), dff, true);
         } else {
           for (int q = 0; q < L; ++q) {
             auto const r = segment(offs, q);
@@ -282,7 +282,7 @@ class Backward {
       ledger.kernel_launches += 1;
       // dH = dY W2 and dW2 = dY^T H, per segment.
       if (table) {
-        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, dYf.data(), d, w.down(), dH.data(), dff);
+        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, dYf.data(), d, w.down(), dH.data(), dff, false);
         ledger.kernel_launches += host_weight_gradients(exec, *table, offs, {{dYf.data(), H.data(), grads.down.data()}}, d, dff);
       } else {
         for (int q = 0; q < L; ++q) {
@@ -300,8 +300,8 @@ class Backward {
       ledger.kernel_launches += 1;
       // dX = dG W1 + dU W3, dW1 = dG^T X, dW3 = dU^T X, per segment.
       if (table) {
-        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, dH.data(), dff, w.gate(), dXf.data(), d);
-        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, H.data(), dff, w.up(), dXf.data(), d, true);
+        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, dH.data(), dff, w.gate(), dXf.data(), d, false);
+        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, H.data(), dff, w.up(), dXf.data(), d, false, true);
         ledger.kernel_launches += host_weight_gradients(
             exec, *table, offs, {{dH.data(), Xf.data(), grads.gate.data()}, {H.data(), Xf.data(), grads.up.data()}}, dff, d);
       } else {
@@ -350,31 +350,11 @@ class Backward {
   // segment (impl/KokkosMoE_Experts_HostGemm.hpp); expert weights (float or
   // bf16) are staged straight from their tensors. Each returns its launches.
 
-  /// out_q = in_q W_q^T for W [L, N, K] (rows of K in, N out).
-  template <class WV>
-  int host_rows_by_weights_t(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
-                             float const* in, int K, WV const& W, float* out, int N, bool accumulate) {
-    using SV = typename WV::non_const_value_type;
-    std::vector<Impl::HostProductOf<SV>> list;
-    for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
-      index_t const m = offs[q + 1] - offs[q];
-      if (m == 0) continue;
-      Impl::HostProductOf<SV> p;
-      p.J = static_cast<int>(m), p.N = N, p.K = K;
-      p.b = in + offs[q] * K, p.ldb = K;
-      p.s = W.data() + q * static_cast<std::size_t>(N) * K, p.sk = 1, p.sr = K;
-      p.c = out + offs[q] * N, p.cj = N, p.cr = 1;
-      p.accumulate = accumulate;
-      list.push_back(p);
-    }
-    if constexpr (Impl::is_host_exec<ExecutionSpace>()) return Impl::run_host_products(exec, table, list);
-    return 0;
-  }
-
-  /// out_q (+)= in_q W_q for W [L, K, N] (rows of K in, N out).
+  /// out_q (+)= in_q W_q for W [L, K, N], or in_q W_q^T for W [L, N, K]
+  /// (`transposed`): rows of K in, N out.
   template <class WV>
   int host_rows_by_weights(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
-                           float const* in, int K, WV const& W, float* out, int N, bool accumulate = false) {
+                           float const* in, int K, WV const& W, float* out, int N, bool transposed, bool accumulate = false) {
     using SV = typename WV::non_const_value_type;
     std::vector<Impl::HostProductOf<SV>> list;
     for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
@@ -383,7 +363,8 @@ class Backward {
       Impl::HostProductOf<SV> p;
       p.J = static_cast<int>(m), p.N = N, p.K = K;
       p.b = in + offs[q] * K, p.ldb = K;
-      p.s = W.data() + q * static_cast<std::size_t>(K) * N, p.sk = N, p.sr = 1;
+      p.s = W.data() + q * static_cast<std::size_t>(K) * N;
+      p.sk = transposed ? 1 : N, p.sr = transposed ? K : 1;
       p.c = out + offs[q] * N, p.cj = N, p.cr = 1;
       p.accumulate = accumulate;
       list.push_back(p);

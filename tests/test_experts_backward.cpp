@@ -87,6 +87,16 @@ RowMatrix<T> random_rows(index_t n, int d, std::mt19937& rng, float scale) {
   return X;
 }
 
+/// Segment offsets [0, c0, c0 + c1, ...] of the counts, on the device.
+Kokkos::View<index_t*, Mem> offsets_of(std::vector<index_t> const& counts) {
+  Kokkos::View<index_t*, Mem> offsets("offsets", counts.size() + 1);
+  auto h = Kokkos::create_mirror_view(offsets);
+  h(0) = 0;
+  for (std::size_t q = 0; q < counts.size(); ++q) h(q + 1) = h(q) + counts[q];
+  Kokkos::deep_copy(offsets, h);
+  return offsets;
+}
+
 /// Largest |ours - fd| / (|fd| + floor) over all entries.
 double worst_relative(std::vector<double> const& ours, Fp64Experts& f, std::vector<double>& p, double floor) {
   double worst = 0;
@@ -108,12 +118,7 @@ void check_gradients(std::vector<index_t> const& counts, int d, int dff, bool ke
   std::vector<index_t> offs(1, 0);
   for (index_t c : counts) offs.push_back(offs.back() + c);
   index_t const n = offs.back();
-  Kokkos::View<index_t*, Mem> offsets("offsets", offs.size());
-  {
-    auto h = Kokkos::create_mirror_view(offsets);
-    for (std::size_t i = 0; i < offs.size(); ++i) h(i) = offs[i];
-    Kokkos::deep_copy(offsets, h);
-  }
+  auto const offsets = offsets_of(counts);
   auto X = random_rows<XT>(n, d, rng, 1.0f);
   auto dY = random_rows<XT>(n, d, rng, 1.0f);
   RowMatrix<XT> Y("Y", n, d), dX("dX", n, d);
@@ -162,12 +167,7 @@ TEST_CASE("saved and recomputed activations give the same bits; accumulation add
   int const d = 16, dff = 24;
   ExpertWeights<float, Mem> w("w", {0, 1, 2}, d, dff);
   w.randomize(Exec(), 9);
-  Kokkos::View<index_t*, Mem> offsets("offsets", 4);
-  {
-    auto h = Kokkos::create_mirror_view(offsets);
-    h(0) = 0, h(1) = 7, h(2) = 7, h(3) = 20;
-    Kokkos::deep_copy(offsets, h);
-  }
+  auto const offsets = offsets_of({7, 0, 13});
   auto X = random_rows<float>(20, d, rng, 1.0f);
   auto dY = random_rows<float>(20, d, rng, 1.0f);
   RowMatrix<float> Y("Y", 20, d), dX1("dX1", 20, d), dX2("dX2", 20, d);
@@ -283,12 +283,7 @@ TEST_CASE("expert backward on the host micro-kernels equals the BLAS path", "[ex
   int const d = 96, dff = 80;
   ExpertWeights<float, Mem> w("w", {0, 1, 2}, d, dff);
   w.randomize(Exec(), 4);
-  Kokkos::View<index_t*, Mem> offsets("offsets", 4);
-  {
-    auto h = Kokkos::create_mirror_view(offsets);
-    h(0) = 0, h(1) = 70, h(2) = 70, h(3) = 133;
-    Kokkos::deep_copy(offsets, h);
-  }
+  auto const offsets = offsets_of({70, 0, 63});
   auto X = random_rows<float>(133, d, rng, 1.0f);
   auto dY = random_rows<float>(133, d, rng, 1.0f);
   RowMatrix<float> Y("Y", 133, d), dX1("dX1", 133, d), dX2("dX2", 133, d);
