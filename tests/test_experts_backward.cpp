@@ -12,6 +12,7 @@
 #include <KokkosMoE_Experts_Weights.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -97,6 +98,23 @@ Kokkos::View<index_t*, Mem> offsets_of(std::vector<index_t> const& counts) {
   return offsets;
 }
 
+/// Three fp32 experts of width d and d_ff with random weights, rows in
+/// segments of the counts, random X and dY, and Y, dX1, dX2 for results.
+struct ThreeExperts {
+  ExpertWeights<float, Mem> w;
+  Kokkos::View<index_t*, Mem> offsets;
+  RowMatrix<float> X, dY, Y, dX1, dX2;
+  ThreeExperts(int d, int dff, std::vector<index_t> const& counts, unsigned rows_seed, std::uint64_t weights_seed)
+      : w("w", {0, 1, 2}, d, dff), offsets(offsets_of(counts)) {
+    w.randomize(Exec(), weights_seed);
+    std::mt19937 rng(rows_seed);
+    index_t const n = counts[0] + counts[1] + counts[2];
+    X = random_rows<float>(n, d, rng, 1.0f);
+    dY = random_rows<float>(n, d, rng, 1.0f);
+    Y = RowMatrix<float>("Y", n, d), dX1 = RowMatrix<float>("dX1", n, d), dX2 = RowMatrix<float>("dX2", n, d);
+  }
+};
+
 /// Largest |ours - fd| / (|fd| + floor) over all entries.
 double worst_relative(std::vector<double> const& ours, Fp64Experts& f, std::vector<double>& p, double floor) {
   double worst = 0;
@@ -163,14 +181,9 @@ TEST_CASE("expert backward equals finite differences of the fp64 experts", "[exp
 }
 
 TEST_CASE("saved and recomputed activations give the same bits; accumulation adds", "[experts][backward]") {
-  std::mt19937 rng(3);
-  int const d = 16, dff = 24;
-  ExpertWeights<float, Mem> w("w", {0, 1, 2}, d, dff);
-  w.randomize(Exec(), 9);
-  auto const offsets = offsets_of({7, 0, 13});
-  auto X = random_rows<float>(20, d, rng, 1.0f);
-  auto dY = random_rows<float>(20, d, rng, 1.0f);
-  RowMatrix<float> Y("Y", 20, d), dX1("dX1", 20, d), dX2("dX2", 20, d);
+  int const dff = 24;
+  ThreeExperts e(16, dff, {7, 0, 13}, 3, 9);
+  auto const& [w, offsets, X, dY, Y, dX1, dX2] = e;
   Backward<Exec, Mem> bw;
   SavedActivations<Mem> saved;
   bw.forward_keep(Exec(), w, X, offsets, Y, saved);
@@ -279,14 +292,8 @@ TEST_CASE("host micro-kernel GEMMs: NN, NT and TN against fp64, K in blocks, row
 
 TEST_CASE("expert backward on the host micro-kernels equals the BLAS path", "[experts][backward]") {
   if (!Experts::Impl::is_host_exec<Exec>()) return;
-  std::mt19937 rng(8);
-  int const d = 96, dff = 80;
-  ExpertWeights<float, Mem> w("w", {0, 1, 2}, d, dff);
-  w.randomize(Exec(), 4);
-  auto const offsets = offsets_of({70, 0, 63});
-  auto X = random_rows<float>(133, d, rng, 1.0f);
-  auto dY = random_rows<float>(133, d, rng, 1.0f);
-  RowMatrix<float> Y("Y", 133, d), dX1("dX1", 133, d), dX2("dX2", 133, d);
+  ThreeExperts e(96, 80, {70, 0, 63}, 8, 4);
+  auto const& [w, offsets, X, dY, Y, dX1, dX2] = e;
   BackwardOptions blas;
   blas.gemm_path = GemmPath::generic;
   Backward<Exec, Mem> host_bw, blas_bw(blas);
