@@ -671,6 +671,7 @@ int train(LayerDeck const& deck, Options const& opt) {
               << (tc.balance ? ", balance loss alpha " + std::to_string(tc.balance->alpha) : std::string()) << "\n";
   std::vector<double> loss, norm, balance, forward_s;
   std::map<std::string, double> backward_s;
+  std::string experts_backward;  // the routed experts' backward path (this rank's last step)
   StepSeries series;  // the HDF5 time series ([run] hdf5 / --hdf5)
   int const every = std::max(1, steps / 10);
   Kokkos::Timer timer;
@@ -682,6 +683,7 @@ int train(LayerDeck const& deck, Options const& opt) {
     norm.push_back(r.grad_norm);
     balance.push_back(r.balance_loss);
     forward_s.push_back(r.forward_seconds);
+    if (!r.backward.experts.path.empty()) experts_backward = r.backward.experts.path;
     series.add("loss", r.loss);
     series.add("grad_norm", r.grad_norm);
     series.add("balance_loss", r.balance_loss);
@@ -718,6 +720,8 @@ int train(LayerDeck const& deck, Options const& opt) {
                      {"forward_seconds", forward_s},
                      {"backward_seconds_mean", backward_s},
                      {"loss_ratio", ratio},
+                     {"products", deck.train.products},
+                     {"experts_backward_path", experts_backward},
                      {"weights_digest", weights_digest}};
   collective(world, "writing the report", [&] {
     std::string const path = opt.report.empty() ? deck.run.report : opt.report;
@@ -733,9 +737,10 @@ int train(LayerDeck const& deck, Options const& opt) {
     }
   }, watchdog);
   if (rank == 0) {
-    std::printf("TRAIN steps=%d ranks=%d optimizer=%s loss_first=%.6g loss_last=%.6g loss_ratio=%.4f backward_s=%.4g weights_digest=%s\n",
+    std::printf("TRAIN steps=%d ranks=%d optimizer=%s loss_first=%.6g loss_last=%.6g loss_ratio=%.4f backward_s=%.4g weights_digest=%s "
+                "experts_backward=%s\n",
                 steps, size, tc.optimizer.c_str(), first_loss, last_loss, ratio, backward_s.count("total") ? backward_s.at("total") : 0.0,
-                weights_digest.c_str());
+                weights_digest.c_str(), experts_backward.empty() ? "none" : experts_backward.c_str());
     std::fflush(stdout);
   }
   return 0;

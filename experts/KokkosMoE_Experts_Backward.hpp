@@ -10,10 +10,10 @@
 /// Per segment q of rows [b, e) (m rows, X_q [m, d], dY_q [m, d]):
 ///
 ///     G = X_q W1^T, U = X_q W3^T            (kept by forward_keep, or recomputed)
-///     H = silu(G) * U
-///     dH = dY_q W2                          dW2 += dY_q^T H
-///     dG = dH * U * silu'(G), dU = dH * silu(G)
-///     dX_q = dG W1 + dU W3                  dW1 += dG^T X_q, dW3 += dU^T X_q
+///     dH = dY_q W2
+///     H = silu(G) * U, dG = dH * U * silu'(G), dU = dH * silu(G)   (one element-wise pass)
+///     dX_q = dG W1 + dU W3                  dW2 += dY_q^T H
+///                                           dW1 += dG^T X_q, dW3 += dU^T X_q
 ///
 /// with silu'(g) = s (1 + g (1 - s)), s = sigmoid(g). Six GEMMs per segment
 /// (twelve n d d_ff FLOPs over all rows), eight when G and U are recomputed;
@@ -22,7 +22,10 @@
 /// NN, NT and TN products, a row's bits independent of the rows beside it),
 /// else through KokkosMoE::gemm on the deck's path (Kokkos Kernels / BLAS on
 /// hosts, cuBLAS on CUDA when available); the element-wise phases are one
-/// kernel each over all rows. The gradient with respect to every runner's forward
+/// kernel over all rows (vectorized for the CPU's ISA on the host path). With
+/// BackwardProducts::bf16 the host products take bf16 operands on the
+/// AVX512-BF16 pair kernels, FP32 accumulation, as a bf16 forward does
+/// (about half the FP32 products' time). The gradient with respect to every runner's forward
 /// is this one: the grouped, blas, padded and block runners compute the same
 /// function (padding rows carry no gradient), so one backward serves them.
 
@@ -83,9 +86,36 @@ struct SavedActivations {
   bool empty() const { return gate.extent(0) == 0 && gate.data() == nullptr; }
 };
 
+/// \brief The operands of a training step's expert GEMMs (forward_keep and
+/// backward).
+enum class BackwardProducts {
+  /// FP32 operands (bf16 weights and rows widened): the gradients of the
+  /// function to FP32 rounding.
+  fp32,
+  /// bf16 operands with FP32 accumulation, as a bf16 forward multiplies:
+  /// the rows (X, dY), the activations H and the activation gradients dG and
+  /// dU are rounded to bf16 before their products (weights are bf16, or
+  /// rounded as staged); dH, dX and the weight gradients come out in FP32.
+  /// On host execution spaces whose CPU has the AVX512-BF16 pair kernels
+  /// (automatic GEMM path); segment by segment through KokkosMoE::gemm with
+  /// bf16 operands and an FP32 result where it has a vendor GEMM for them
+  /// (cuBLAS cublasGemmEx on CUDA, tensor cores; automatic or vendor path)
+  /// and on the generic path (the portable GEMM); elsewhere (Kokkos Kernels,
+  /// a host without the pair kernels) the products stay FP32. The ledger's
+  /// path ends in ",bf16" when they ran.
+  bf16
+};
+
+/// \brief "fp32", "bf16".
+inline EnumTable<BackwardProducts> const& names_of(BackwardProducts) {
+  static EnumTable<BackwardProducts> const t{"backward products", {{BackwardProducts::fp32, "fp32"}, {BackwardProducts::bf16, "bf16"}}};
+  return t;
+}
+
 /// \brief Backward options.
 struct BackwardOptions {
   GemmPath gemm_path = GemmPath::automatic;
+  BackwardProducts products = BackwardProducts::fp32;
   /// Add the weight gradients to what the gradient tensors hold (several
   /// micro-batches, or several segments sets into one set of experts);
   /// otherwise they are overwritten.
@@ -94,7 +124,7 @@ struct BackwardOptions {
 
 /// \brief What a backward executed.
 struct BackwardLedger {
-  std::string path;            ///< e.g. "swiglu[KokkosKernels,recompute]"
+  std::string path;            ///< e.g. "swiglu[KokkosKernels,recompute]", "swiglu[host:avx512,saved,bf16]"
   bool recomputed = false;     ///< G and U recomputed (no saved activations)
   index_t rows = 0;            ///< rows with a gradient (offsets[L])
   index_t matmul_flops = 0;    ///< 12 (16 when recomputing) * rows * d * d_ff
@@ -106,37 +136,38 @@ namespace Impl {
 
 KOKKOS_INLINE_FUNCTION float sigmoid(float g) { return 1.0f / (1.0f + Compat::exp(-g)); }
 
-/// H = silu(G) * U for all rows.
+/// H = silu(G) * U for all rows (H float, or bf16 rounded).
 template <class Exec, class CM, class M>
 void swiglu_rows(Exec const& exec, CM const& G, CM const& U, M const& H) {
+  using HT = typename M::non_const_value_type;
   std::size_t const cols = G.extent(1), total = G.extent(0) * cols;
   float const* g = G.data();
   float const* u = U.data();
-  float* h = H.data();
+  HT* h = H.data();
   Kokkos::parallel_for("KokkosMoE::Experts::backward[swiglu]",
                        Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, total), KOKKOS_LAMBDA(std::size_t i) {
                          float const s = sigmoid(g[i]);
-                         h[i] = g[i] * s * u[i];
+                         h[i] = from_float<HT>(g[i] * s * u[i]);
                        });
 }
 
-/// dG = dH * U * silu'(G) written over dH, dU = dH * silu(G) written into
-/// dU (the H buffer, no longer needed): G and U, the forward's saved
-/// activations, are only read.
-template <class Exec, class CM, class M>
-void swiglu_backward_rows(Exec const& exec, CM const& G, CM const& U, M const& dH_dG, M const& dU) {
+/// H = silu(G) * U, dG = dH * U * silu'(G) and dU = dH * silu(G) for all
+/// rows in one pass (one sigmoid per element), each float or bf16 rounded:
+/// G, U and dH are only read, element by element, so dG may be written over
+/// dH (float).
+template <class Exec, class CM, class OT>
+void swiglu_backward_rows(Exec const& exec, CM const& G, CM const& U, float const* dh, OT* h, OT* dg, OT* du) {
   std::size_t const total = G.extent(0) * G.extent(1);
   float const* g = G.data();
   float const* u = U.data();
-  float* dh = dH_dG.data();
-  float* du = dU.data();
-  Kokkos::parallel_for("KokkosMoE::Experts::backward[swiglu']",
+  Kokkos::parallel_for("KokkosMoE::Experts::backward[swiglu,swiglu']",
                        Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::size_t>>(exec, 0, total), KOKKOS_LAMBDA(std::size_t i) {
-                         float const x = g[i], s = sigmoid(x);
+                         float const x = g[i], s = sigmoid(x), uv = u[i];
                          float const silu = x * s, dsilu = s * (1.0f + x * (1.0f - s));
                          float const dhv = dh[i];
-                         dh[i] = dhv * u[i] * dsilu;
-                         du[i] = dhv * silu;
+                         h[i] = from_float<OT>(silu * uv);
+                         dg[i] = from_float<OT>(dhv * uv * dsilu);
+                         du[i] = from_float<OT>(dhv * silu);
                        });
 }
 
@@ -163,9 +194,22 @@ class Backward {
     saved.gate = RowMatrix<float, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::saved_gate"), n, dff);
     saved.up = RowMatrix<float, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::saved_up"), n, dff);
     if (n == 0) return;
+    auto Yf = float_target(exec, Y, n, d);
+    if (bf16_products()) {
+      // bf16 X and H on the pair kernels.
+      auto const* table = host_table();
+      auto X16 = as_bf16(exec, X, "x16");
+      host_rows_by_weights(exec, *table, offs, X16.data(), d, w.gate(), saved.gate.data(), dff, true);
+      host_rows_by_weights(exec, *table, offs, X16.data(), d, w.up(), saved.up.data(), dff, true);
+      auto H16 = ws_.template matrix<bf16_t>(exec, "h16", n, dff);
+      Impl::swiglu_rows(exec, saved.gate, saved.up, H16);
+      host_rows_by_weights(exec, *table, offs, H16.data(), dff, w.down(), Yf.data(), d, true);
+      finish_target(exec, Yf, Y);
+      Compat::fence(exec, "KokkosMoE::Experts::Backward::forward_keep");
+      return;
+    }
     auto Xf = as_float(exec, X, "x");
     auto H = ws_.template matrix<float>(exec, "h", n, dff);
-    auto Yf = float_target(exec, Y, n, d);
     Weights32 W;
     if (auto const* table = host_table()) {
       host_rows_by_weights(exec, *table, offs, Xf.data(), d, w.gate(), saved.gate.data(), dff, true);
@@ -246,91 +290,51 @@ class Backward {
     }
     GemmPath ran = GemmPath::generic;
     auto const* table = host_table();
+    bool const bf16 = bf16_products();
+    // bf16 products per segment through KokkosMoE::gemm with bf16 operands
+    // and an FP32 result: the vendor GEMM (cuBLAS tensor cores), or the
+    // portable one when the deck asks for it.
+    bool const segment_bf16 = table == nullptr && options_.products == BackwardProducts::bf16 &&
+                              (options_.gemm_path == GemmPath::generic ||
+                               (have_vendor_gemm<ExecutionSpace, bf16_t, float>() &&
+                                (options_.gemm_path == GemmPath::automatic || options_.gemm_path == GemmPath::vendor)));
     if (n > 0) {
-      auto Xf = as_float(exec, X, "x");
-      auto dYf = as_float(exec, dY, "dy");
       auto dXf = float_target(exec, dX, n, d);
-      // G and U: the saved ones, read in place, or recomputed.
+      // G and U: the saved ones, read in place, or recomputed below.
       const_float_matrix G, U;
-      Weights32 W;
-      if (recompute) {
-        auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
-        auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
-        if (table) {
-          ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, Xf.data(), d, w.gate(), Gr.data(), dff, true);
-          ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, Xf.data(), d, w.up(), Ur.data(), dff, true);
-        } else {
-          for (int q = 0; q < L; ++q) {
-            auto const r = segment(offs, q);
-            if (r.first == r.second) continue;
-            slot_weights(exec, w, q, W);
-            auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-            gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(Gr, r, Kokkos::ALL), options_.gemm_path);
-            gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(Ur, r, Kokkos::ALL), options_.gemm_path);
-            ledger.kernel_launches += 2;
-          }
-        }
-        G = Gr;
-        U = Ur;
-      } else {
+      if (!recompute) {
         G = const_float_matrix(saved.gate.data(), n, static_cast<std::size_t>(dff));
         U = const_float_matrix(saved.up.data(), n, static_cast<std::size_t>(dff));
       }
-      auto H = ws_.template matrix<float>(exec, "h", n, dff);    // H, then dU
-      auto dH = ws_.template matrix<float>(exec, "dh", n, dff);  // dH, then dG
-      Impl::swiglu_rows(exec, G, U, H);
-      ledger.kernel_launches += 1;
-      // dH = dY W2 and dW2 = dY^T H, per segment.
-      if (table) {
-        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, dYf.data(), d, w.down(), dH.data(), dff, false);
-        ledger.kernel_launches += host_weight_gradients(exec, *table, offs, {{dYf.data(), H.data(), grads.down.data()}}, d, dff);
+      if (bf16) {
+        // bf16 operands on the pair kernels (BackwardProducts::bf16).
+        ledger.kernel_launches += host_backward(exec, *table, offs, w, as_bf16(exec, X, "x16"), as_bf16(exec, dY, "dy16"),
+                                                recompute, G, U, dXf, grads);
+      } else if (table) {
+        ledger.kernel_launches += host_backward(exec, *table, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"),
+                                                recompute, G, U, dXf, grads);
+      } else if (segment_bf16) {
+        ledger.kernel_launches += segment_backward<SlotWeights16>(exec, offs, w, as_bf16(exec, X, "x16"), as_bf16(exec, dY, "dy16"),
+                                                                  recompute, G, U, dXf, grads, ran);
       } else {
-        for (int q = 0; q < L; ++q) {
-          auto const r = segment(offs, q);
-          if (r.first == r.second) continue;
-          slot_weights(exec, w, q, W);
-          auto dYq = Kokkos::subview(dYf, r, Kokkos::ALL);
-          ran = gemm(exec, 'N', 'N', 1.0f, dYq, W.down, 0.0f, Kokkos::subview(dH, r, Kokkos::ALL), options_.gemm_path);
-          gemm(exec, 'T', 'N', 1.0f, dYq, Kokkos::subview(H, r, Kokkos::ALL), beta,
-               Kokkos::subview(grads.down, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
-          ledger.kernel_launches += 2;
-        }
-      }
-      Impl::swiglu_backward_rows(exec, G, U, dH, H);  // dH <- dG, H <- dU
-      ledger.kernel_launches += 1;
-      // dX = dG W1 + dU W3, dW1 = dG^T X, dW3 = dU^T X, per segment.
-      if (table) {
-        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, dH.data(), dff, w.gate(), dXf.data(), d, false);
-        ledger.kernel_launches += host_rows_by_weights(exec, *table, offs, H.data(), dff, w.up(), dXf.data(), d, false, true);
-        ledger.kernel_launches += host_weight_gradients(
-            exec, *table, offs, {{dH.data(), Xf.data(), grads.gate.data()}, {H.data(), Xf.data(), grads.up.data()}}, dff, d);
-      } else {
-        for (int q = 0; q < L; ++q) {
-          auto const r = segment(offs, q);
-          if (r.first == r.second) continue;
-          slot_weights(exec, w, q, W);
-          auto dGq = Kokkos::subview(dH, r, Kokkos::ALL);
-          auto dUq = Kokkos::subview(H, r, Kokkos::ALL);
-          auto dXq = Kokkos::subview(dXf, r, Kokkos::ALL);
-          auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-          gemm(exec, 'N', 'N', 1.0f, dGq, W.gate, 0.0f, dXq, options_.gemm_path);
-          gemm(exec, 'N', 'N', 1.0f, dUq, W.up, 1.0f, dXq, options_.gemm_path);
-          gemm(exec, 'T', 'N', 1.0f, dGq, Xq, beta, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
-          gemm(exec, 'T', 'N', 1.0f, dUq, Xq, beta, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
-          ledger.kernel_launches += 4;
-        }
+        ledger.kernel_launches += segment_backward<Weights32>(exec, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"),
+                                                              recompute, G, U, dXf, grads, ran);
       }
       finish_target(exec, dXf, dX);
     }
     ledger.path = std::string("swiglu[") +
                   (host_table() ? std::string("host:") + host_table()->isa
                                 : ran == GemmPath::kokkos_kernels ? "KokkosKernels" : ran == GemmPath::vendor ? "cublas" : "generic") +
-                  (recompute ? ",recompute]" : ",saved]");
+                  (recompute ? ",recompute" : ",saved") + (bf16 || segment_bf16 ? ",bf16]" : "]");
     Compat::fence(exec, "KokkosMoE::Experts::Backward::backward");
     return ledger;
   }
 
  private:
+  using float_matrix = Impl::Unmanaged2D<float, MemorySpace>;
+  using const_float_matrix = Impl::Unmanaged2D<float const, MemorySpace>;
+  using const_bf16_matrix = Impl::Unmanaged2D<bf16_t const, MemorySpace>;
+
   /// The host micro-kernels' table when the products run on them: a host
   /// execution space, the automatic GEMM path and a CPU with vector kernels
   /// (the generic table is left to BLAS); null otherwise.
@@ -345,22 +349,28 @@ class Backward {
     }
   }
   Impl::HostKernelTable const* host_table() const { return host_table_for(options_.gemm_path); }
+  /// Whether the products take bf16 operands (BackwardProducts::bf16 on a
+  /// host table with the pair kernels).
+  bool bf16_products() const {
+    auto const* t = host_table();
+    return options_.products == BackwardProducts::bf16 && t != nullptr && t->dp[1] != nullptr;
+  }
 
   // The GEMM phases on the host micro-kernels, each one launch over every
   // segment (impl/KokkosMoE_Experts_HostGemm.hpp); expert weights (float or
   // bf16) are staged straight from their tensors. Each returns its launches.
 
   /// out_q (+)= in_q W_q for W [L, K, N], or in_q W_q^T for W [L, N, K]
-  /// (`transposed`): rows of K in, N out.
-  template <class WV>
+  /// (`transposed`): rows of K in (float, or bf16 for bf16 products), N out.
+  template <class IT, class WV>
   int host_rows_by_weights(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
-                           float const* in, int K, WV const& W, float* out, int N, bool transposed, bool accumulate = false) {
+                           IT const* in, int K, WV const& W, float* out, int N, bool transposed, bool accumulate = false) {
     using SV = typename WV::non_const_value_type;
-    std::vector<Impl::HostProductOf<SV>> list;
+    std::vector<Impl::HostProductOf<SV, IT>> list;
     for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
       index_t const m = offs[q + 1] - offs[q];
       if (m == 0) continue;
-      Impl::HostProductOf<SV> p;
+      Impl::HostProductOf<SV, IT> p;
       p.J = static_cast<int>(m), p.N = N, p.K = K;
       p.b = in + offs[q] * K, p.ldb = K;
       p.s = W.data() + q * static_cast<std::size_t>(K) * N;
@@ -373,31 +383,187 @@ class Backward {
     return 0;
   }
 
+  /// The backward through KokkosMoE::gemm, segment by segment, with the
+  /// operands of the slot weights' type SW (Weights32: FP32; SlotWeights16:
+  /// bf16 operands, FP32 results): X and dY rows of that type, G and U the
+  /// saved activations (recomputed when `recompute`). The same order as
+  /// host_backward. Returns the launches; `ran` is the GEMM path taken.
+  template <class SW, class WT, class RM>
+  index_t segment_backward(ExecutionSpace const& exec, std::vector<index_t> const& offs, ExpertWeights<WT, MemorySpace> const& w,
+                           RM const& X, RM const& dY, bool recompute, const_float_matrix G, const_float_matrix U,
+                           float_matrix const& dX, ExpertGradients<MemorySpace>& grads, GemmPath& ran) {
+    using OT = typename RM::non_const_value_type;
+    constexpr bool b16 = std::is_same<OT, bf16_t>::value;
+    index_t const n = offs.back();
+    int const L = w.num_slots(), dff = w.d_ff();
+    float const beta = options_.accumulate ? 1.0f : 0.0f;
+    index_t launches = 0;
+    SW W;
+    if (recompute) {
+      auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
+      auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
+      for (int q = 0; q < L; ++q) {
+        auto const r = segment(offs, q);
+        if (r.first == r.second) continue;
+        slot_weights(exec, w, q, W);
+        auto Xq = Kokkos::subview(X, r, Kokkos::ALL);
+        gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(Gr, r, Kokkos::ALL), options_.gemm_path);
+        gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(Ur, r, Kokkos::ALL), options_.gemm_path);
+        launches += 2;
+      }
+      G = Gr;
+      U = Ur;
+    }
+    auto dH = ws_.template matrix<float>(exec, "dh", n, dff);
+    auto H = ws_.template matrix<OT>(exec, b16 ? "h16" : "h", n, dff);
+    auto dU = ws_.template matrix<OT>(exec, b16 ? "du16" : "du", n, dff);
+    // dG: written over dH (FP32), or into its own bf16 buffer.
+    auto dG = [&]() {
+      if constexpr (b16)
+        return ws_.template matrix<OT>(exec, "dg16", n, dff);
+      else
+        return dH;
+    }();
+    // dH = dY W2 per segment; H, dG and dU in one kernel; then dW2 =
+    // dY^T H, dX = dG W1 + dU W3, dW1 = dG^T X and dW3 = dU^T X.
+    for (int q = 0; q < L; ++q) {
+      auto const r = segment(offs, q);
+      if (r.first == r.second) continue;
+      slot_weights(exec, w, q, W);
+      ran = gemm(exec, 'N', 'N', 1.0f, Kokkos::subview(dY, r, Kokkos::ALL), W.down, 0.0f, Kokkos::subview(dH, r, Kokkos::ALL),
+                 options_.gemm_path);
+      launches += 1;
+    }
+    Impl::swiglu_backward_rows(exec, G, U, dH.data(), H.data(), dG.data(), dU.data());
+    launches += 1;
+    for (int q = 0; q < L; ++q) {
+      auto const r = segment(offs, q);
+      if (r.first == r.second) continue;
+      slot_weights(exec, w, q, W);
+      auto dYq = Kokkos::subview(dY, r, Kokkos::ALL);
+      auto dGq = Kokkos::subview(dG, r, Kokkos::ALL);
+      auto dUq = Kokkos::subview(dU, r, Kokkos::ALL);
+      auto dXq = Kokkos::subview(dX, r, Kokkos::ALL);
+      auto Xq = Kokkos::subview(X, r, Kokkos::ALL);
+      gemm(exec, 'T', 'N', 1.0f, dYq, Kokkos::subview(H, r, Kokkos::ALL), beta, Kokkos::subview(grads.down, q, Kokkos::ALL, Kokkos::ALL),
+           options_.gemm_path);
+      gemm(exec, 'N', 'N', 1.0f, dGq, W.gate, 0.0f, dXq, options_.gemm_path);
+      gemm(exec, 'N', 'N', 1.0f, dUq, W.up, 1.0f, dXq, options_.gemm_path);
+      gemm(exec, 'T', 'N', 1.0f, dGq, Xq, beta, Kokkos::subview(grads.gate, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+      gemm(exec, 'T', 'N', 1.0f, dUq, Xq, beta, Kokkos::subview(grads.up, q, Kokkos::ALL, Kokkos::ALL), options_.gemm_path);
+      launches += 5;
+    }
+    return launches;
+  }
+
+  /// The backward's GEMMs and element-wise kernel on the host micro-kernels
+  /// with operands of type OT (float; bf16_t on the pair kernels): X and dY
+  /// as OT rows, G and U the saved activations (recomputed when `recompute`).
+  /// dH = dY W2 first, then H, dG and dU in one kernel, then dX = dG W1 +
+  /// dU W3 and the weight gradients. Returns the launches.
+  template <class WT, class OT>
+  index_t host_backward(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
+                        ExpertWeights<WT, MemorySpace> const& w, Impl::Unmanaged2D<OT const, MemorySpace> const& X,
+                        Impl::Unmanaged2D<OT const, MemorySpace> const& dY, bool recompute, const_float_matrix G,
+                        const_float_matrix U, float_matrix const& dX, ExpertGradients<MemorySpace>& grads) {
+    constexpr bool b16 = std::is_same<OT, bf16_t>::value;
+    index_t const n = offs.back();
+    int const d = w.d(), dff = w.d_ff();
+    index_t launches = 0;
+    if (recompute) {
+      auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
+      auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
+      launches += host_rows_by_weights(exec, table, offs, X.data(), d, w.gate(), Gr.data(), dff, true);
+      launches += host_rows_by_weights(exec, table, offs, X.data(), d, w.up(), Ur.data(), dff, true);
+      G = Gr;
+      U = Ur;
+    }
+    auto dH = ws_.template matrix<float>(exec, "dh", n, dff);
+    auto H = ws_.template matrix<OT>(exec, b16 ? "h16" : "h", n, dff);
+    auto dU = ws_.template matrix<OT>(exec, b16 ? "du16" : "du", n, dff);
+    // dG: written over dH (float), or into its own bf16 buffer.
+    RowMatrix<OT, MemorySpace> dG16;
+    OT* dG = nullptr;
+    if constexpr (b16) {
+      dG16 = ws_.template matrix<OT>(exec, "dg16", n, dff);
+      dG = dG16.data();
+    } else {
+      dG = dH.data();
+    }
+    launches += host_rows_by_weights(exec, table, offs, dY.data(), d, w.down(), dH.data(), dff, false);
+    host_swiglu_backward(exec, table, G, U, dH.data(), H.data(), dG, dU.data());
+    launches += 1;
+    launches += host_rows_by_weights(exec, table, offs, static_cast<OT const*>(dG), dff, w.gate(), dX.data(), d, false);
+    launches += host_rows_by_weights(exec, table, offs, static_cast<OT const*>(dU.data()), dff, w.up(), dX.data(), d, false, true);
+    launches += host_weight_gradients<OT, OT>(exec, table, offs, {{dY.data(), H.data(), grads.down.data()}}, d, dff);
+    launches += host_weight_gradients<OT, OT>(exec, table, offs, {{dG, X.data(), grads.gate.data()}, {dU.data(), X.data(), grads.up.data()}},
+                                              dff, d);
+    return launches;
+  }
+
+  /// H, dG and dU (Impl::swiglu_backward_rows) on the table's vectorized
+  /// element-wise kernel, in chunks over the threads (the portable kernel
+  /// where the table has none).
+  template <class OT>
+  void host_swiglu_backward(ExecutionSpace const& exec, Impl::HostKernelTable const& table, const_float_matrix const& G,
+                            const_float_matrix const& U, float const* dh, OT* h, OT* dg, OT* du) {
+    if constexpr (Impl::is_host_exec<ExecutionSpace>()) {
+      constexpr bool b16 = std::is_same<OT, bf16_t>::value;
+      using P = std::conditional_t<b16, std::uint16_t, float>;
+      using F = void (*)(std::size_t, float const*, float const*, float const*, P*, P*, P*);
+      F const f = [&]() -> F {
+        if constexpr (b16)
+          return table.swiglu_backward_bf16;
+        else
+          return table.swiglu_backward_f32;
+      }();
+      if (f != nullptr) {
+        constexpr std::size_t chunk = std::size_t(1) << 14;
+        std::size_t const total = G.extent(0) * G.extent(1), chunks = (total + chunk - 1) / chunk;
+        float const* g = G.data();
+        float const* u = U.data();
+        auto* hp = reinterpret_cast<P*>(h);
+        auto* gp = reinterpret_cast<P*>(dg);
+        auto* up = reinterpret_cast<P*>(du);
+        Kokkos::parallel_for("KokkosMoE::Experts::backward[swiglu,swiglu':host]",
+                             Kokkos::RangePolicy<ExecutionSpace, Kokkos::IndexType<std::size_t>>(exec, 0, chunks), [=](std::size_t c) {
+                               std::size_t const b = c * chunk, m = total - b < chunk ? total - b : chunk;
+                               f(m, g + b, u + b, dh + b, hp + b, gp + b, up + b);
+                             });
+        return;
+      }
+    }
+    Impl::swiglu_backward_rows(exec, G, U, dh, h, dg, du);
+  }
+
   /// One weight gradient: grad_q (+)= lhs_q^T rhs_q for lhs [n, J], rhs
-  /// [n, N] and grad [L, J, N].
+  /// [n, N] and grad [L, J, N]; lhs and rhs float, or bf16 for bf16 products.
+  template <class LT, class RT>
   struct GradientTerm {
-    float const* lhs;
-    float const* rhs;
+    LT const* lhs;
+    RT const* rhs;
     float* grad;
   };
   /// The terms' weight gradients (J x N each), all in one launch after one
   /// launch that transposes every term's segments of lhs; segments without
   /// rows are left alone (backward zeroes them unless accumulating).
+  template <class LT, class RT>
   int host_weight_gradients(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
-                            std::vector<GradientTerm> const& terms, int J, int N) {
+                            std::vector<GradientTerm<LT, RT>> const& terms, int J, int N) {
     index_t const n = offs.back();
-    std::vector<Impl::HostTranspose> transposes;
-    std::vector<Impl::HostProduct> list;
-    std::vector<RowMatrix<float, MemorySpace>> scratch;
+    std::vector<Impl::HostTransposeOf<LT>> transposes;
+    std::vector<Impl::HostProductOf<RT, LT>> list;
+    std::vector<RowMatrix<LT, MemorySpace>> scratch;
+    std::string const tag = std::is_same<LT, float>::value ? "lhs_t" : "lhs_t16_";
     for (std::size_t t = 0; t < terms.size(); ++t) {
-      scratch.push_back(ws_.template matrix<float>(exec, "lhs_t" + std::to_string(t), n, static_cast<std::size_t>(J)));
-      float* const at = scratch.back().data();
+      scratch.push_back(ws_.template matrix<LT>(exec, tag + std::to_string(t), n, static_cast<std::size_t>(J)));
+      LT* const at = scratch.back().data();
       for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
         index_t const m = offs[q + 1] - offs[q];
         if (m == 0) continue;
         // lhs_q^T [J, m] at at + offs[q] * J.
         transposes.push_back({static_cast<int>(m), J, terms[t].lhs + offs[q] * J, J, at + offs[q] * J});
-        Impl::HostProduct p;
+        Impl::HostProductOf<RT, LT> p;
         p.J = J, p.N = N, p.K = static_cast<int>(m);
         p.b = at + offs[q] * J, p.ldb = static_cast<long>(m);
         p.s = terms[t].rhs + offs[q] * N, p.sk = N, p.sr = 1;
@@ -414,13 +580,16 @@ class Backward {
     return 0;
   }
 
-  using float_matrix = Impl::Unmanaged2D<float, MemorySpace>;
-  using const_float_matrix = Impl::Unmanaged2D<float const, MemorySpace>;
 
   /// One slot's weights as FP32 matrices (views of fp32 weights, converted
   /// copies of bf16 ones).
   struct Weights32 {
     const_float_matrix gate, up, down;
+  };
+  /// One slot's weights as bf16 matrices (views of bf16 weights, rounded
+  /// copies of FP32 ones).
+  struct SlotWeights16 {
+    const_bf16_matrix gate, up, down;
   };
 
   static std::pair<index_t, index_t> segment(std::vector<index_t> const& offs, int q) {
@@ -459,6 +628,18 @@ class Backward {
     }
   }
 
+  /// The rows as bf16: in place, or rounded into a buffer.
+  template <class V>
+  const_bf16_matrix as_bf16(ExecutionSpace const& exec, V const& v, char const* label) {
+    if constexpr (std::is_same<typename V::non_const_value_type, bf16_t>::value) {
+      return const_bf16_matrix(v.data(), v.extent(0), v.extent(1));
+    } else {
+      auto buf = ws_.template matrix<bf16_t>(exec, label, static_cast<index_t>(v.extent(0)), v.extent(1));
+      Impl::convert_matrix(exec, v, buf, "KokkosMoE::Experts::Backward[round rows]");
+      return buf;
+    }
+  }
+
   template <class V>
   float_matrix float_target(ExecutionSpace const& exec, V const& v, index_t n, int d) {
     if constexpr (std::is_same<typename V::non_const_value_type, float>::value) {
@@ -489,6 +670,27 @@ class Backward {
       Impl::convert_matrix(exec, Kokkos::subview(w.gate(), q, Kokkos::ALL, Kokkos::ALL), cg, "KokkosMoE::Experts::Backward[convert W]");
       Impl::convert_matrix(exec, Kokkos::subview(w.up(), q, Kokkos::ALL, Kokkos::ALL), cu, "KokkosMoE::Experts::Backward[convert W]");
       Impl::convert_matrix(exec, Kokkos::subview(w.down(), q, Kokkos::ALL, Kokkos::ALL), cd, "KokkosMoE::Experts::Backward[convert W]");
+      W.gate = cg;
+      W.up = cu;
+      W.down = cd;
+    }
+  }
+
+  template <class WT>
+  void slot_weights(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, int q, SlotWeights16& W) {
+    int const d = w.d(), dff = w.d_ff();
+    if constexpr (std::is_same<WT, bf16_t>::value) {
+      std::size_t const per = static_cast<std::size_t>(d) * static_cast<std::size_t>(dff) * static_cast<std::size_t>(q);
+      W.gate = const_bf16_matrix(w.gate().data() + per, dff, d);
+      W.up = const_bf16_matrix(w.up().data() + per, dff, d);
+      W.down = const_bf16_matrix(w.down().data() + per, d, dff);
+    } else {
+      auto cg = ws_.template matrix<bf16_t>(exec, "wg16", dff, static_cast<std::size_t>(d));
+      auto cu = ws_.template matrix<bf16_t>(exec, "wu16", dff, static_cast<std::size_t>(d));
+      auto cd = ws_.template matrix<bf16_t>(exec, "wd16", d, static_cast<std::size_t>(dff));
+      Impl::convert_matrix(exec, Kokkos::subview(w.gate(), q, Kokkos::ALL, Kokkos::ALL), cg, "KokkosMoE::Experts::Backward[round W]");
+      Impl::convert_matrix(exec, Kokkos::subview(w.up(), q, Kokkos::ALL, Kokkos::ALL), cu, "KokkosMoE::Experts::Backward[round W]");
+      Impl::convert_matrix(exec, Kokkos::subview(w.down(), q, Kokkos::ALL, Kokkos::ALL), cd, "KokkosMoE::Experts::Backward[round W]");
       W.gate = cg;
       W.up = cu;
       W.down = cd;

@@ -31,6 +31,10 @@ TEST_CASE("defaults and values", "[deck]") {
   auto const e = parse_layer_deck("d.toml", "[experts]\nkernel = \"portable\"\ndecode_rows = 0\n", 1);
   CHECK(e.experts.kernel == Experts::GroupedKernel::portable);
   CHECK(e.experts.decode_rows == 0);
+  CHECK(d.train.products == "fp32");
+  auto const t = parse_layer_deck("d.toml", "[run]\nmode = \"train\"\n[train]\nproducts = \"bf16\"\n", 1);
+  CHECK(t.train.products == "bf16");
+  CHECK(Setup::layer_config(t, Placement::contiguous(8, 1)).backward_products == Experts::BackwardProducts::bf16);
   CHECK(d.model.experts == 8);
   CHECK(d.model.top_k == 2);
   CHECK(d.exchange.algorithm == Exchange::Algorithm::flat);
@@ -93,6 +97,8 @@ TEST_CASE("errors name file, line, column and key", "[deck]") {
   KMOE_DECK_ERROR("[experts]\nrunner = \"padded\"\nalignment = 2147483647\n", 1, "key 'experts.alignment': = 2147483647 is out of range");
   KMOE_DECK_ERROR("[experts]\ndecode_rows = 9\n", 1, "d.toml:2:15: key 'experts.decode_rows': = 9 is out of range");
   KMOE_DECK_ERROR("[experts]\nkernel = \"cuda\"\n", 1, "key 'experts.kernel': 'cuda' is not one of 'auto' 'host_simd' 'portable' 'vendor'");
+  KMOE_DECK_ERROR("[train]\nproducts = \"bf16\"\n", 1, "d.toml:2:12: key 'train.products': is read only with run.mode = \"train\"");
+  KMOE_DECK_ERROR("[run]\nmode = \"train\"\n[train]\nproducts = \"fp16\"\n", 1, "key 'train.products': 'fp16' is not one of 'fp32' 'bf16'");
   // A user's string is shown shortened.
   KMOE_DECK_ERROR("[exchange]\nalgorithm = \"" + std::string(5000, 'x') + "\"\n", 1, "... (5000 characters)' is not one of");
 }

@@ -315,3 +315,234 @@ TEST_CASE("expert backward on the host micro-kernels equals the BLAS path", "[ex
   CHECK(close(host_doubles(g1.up), host_doubles(g2.up)) <= 1e-5);
   CHECK(close(host_doubles(g1.down), host_doubles(g2.down)) <= 1e-5);
 }
+
+TEST_CASE("host micro-kernel GEMMs with bf16 rows on the pair kernels: NN, NT and TN against fp64", "[experts][backward]") {
+  using HExec = Kokkos::DefaultHostExecutionSpace;
+  using M = Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace>;
+  using M16 = Kokkos::View<bf16_t**, Kokkos::LayoutRight, Kokkos::HostSpace>;
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  // A in bf16; B in FP32 with values off the bf16 grid (rounded to nearest
+  // even as they are staged) or in bf16.
+  auto round16 = [](float x) { return static_cast<double>(to_float(to_bf16(x))); };
+  bool any = false;
+  for (auto const& isa : Experts::Impl::host_kernel_isas()) {
+    auto const& table = Experts::Impl::host_kernel_table(isa);
+    if (table.dp[1] == nullptr) {
+      // Without the pair kernels bf16 rows are refused with the reason.
+      M16 A("A", 4, 4);
+      M B("B", 4, 4), C("C", 4, 4);
+      CHECK_THROWS_WITH(Experts::Impl::host_gemm(HExec(), table, 'N', 'N', A, B, 0.0f, C, nullptr),
+                        Catch::Matchers::Contains("pair dot-product kernels"));
+      continue;
+    }
+    any = true;
+    // Odd K: a last half pair; K = 2100: two blocks, the second of 52.
+    for (int K : {1, 37, 2100})
+      for (auto [ta, tb] : {std::pair<char, char>{'N', 'N'}, {'N', 'T'}, {'T', 'N'}})
+        for (bool b16 : {false, true}) {
+          int const Mr = 29, N = 71;
+          M16 A("A", ta == 'N' ? Mr : K, ta == 'N' ? K : Mr);
+          M B("B", tb == 'N' ? K : N, tb == 'N' ? N : K), C("C", Mr, N), C0("C0", Mr, N);
+          M16 B16("B16", B.extent(0), B.extent(1));
+          for (std::size_t i = 0; i < A.extent(0); ++i)
+            for (std::size_t j = 0; j < A.extent(1); ++j) A(i, j) = to_bf16(u(rng));
+          for (std::size_t i = 0; i < B.extent(0); ++i)
+            for (std::size_t j = 0; j < B.extent(1); ++j) B16(i, j) = to_bf16(B(i, j) = u(rng));
+          for (int i = 0; i < Mr; ++i)
+            for (int j = 0; j < N; ++j) C0(i, j) = u(rng);
+          std::vector<bf16_t> scratch(static_cast<std::size_t>(Mr) * K);
+          INFO(isa << " " << ta << tb << " K = " << K << (b16 ? " bf16 B" : " FP32 B"));
+          for (float beta : {0.0f, 1.0f}) {
+            Kokkos::deep_copy(C, C0);
+            if (b16)
+              Experts::Impl::host_gemm(HExec(), table, ta, tb, A, B16, beta, C, scratch.data());
+            else
+              Experts::Impl::host_gemm(HExec(), table, ta, tb, A, B, beta, C, scratch.data());
+            double worst = 0;
+            for (int i = 0; i < Mr; ++i)
+              for (int j = 0; j < N; ++j) {
+                double want = beta * C0(i, j);
+                for (int k = 0; k < K; ++k) {
+                  double const a = to_float(ta == 'N' ? A(i, k) : A(k, i));
+                  want += a * round16(tb == 'N' ? B(k, j) : B(j, k));
+                }
+                worst = std::max(worst, std::abs(C(i, j) - want) / (std::sqrt(static_cast<double>(K)) + std::abs(want)));
+              }
+            CHECK(worst <= 5e-6);  // exact bf16 products, FP32 sums
+          }
+          if (ta == 'N') {
+            // Rows 3..9 alone: the same bits as in the whole product.
+            auto rows = std::make_pair(3, 10);
+            M Cpart("Cpart", 7, N);
+            Experts::Impl::host_gemm(HExec(), table, ta, tb, Kokkos::subview(A, rows, Kokkos::ALL), B, 0.0f, Cpart, nullptr);
+            Experts::Impl::host_gemm(HExec(), table, ta, tb, A, B, 0.0f, C, nullptr);
+            bool same = true;
+            for (int i = 0; i < 7; ++i)
+              for (int j = 0; j < N; ++j) same = same && std::memcmp(&Cpart(i, j), &C(i + 3, j), sizeof(float)) == 0;
+            CHECK(same);
+          }
+        }
+  }
+  if (!any) WARN("no CPU kernels with bf16 pair dot products here: only the refusal was checked");
+}
+
+namespace {
+
+/// The backward with bf16 products in fp64: X, dY and the weights on the
+/// bf16 grid, H, dG and dU rounded to bf16 where the products read them,
+/// everything else exact. Returns dX, dW1, dW2, dW3 flattened.
+struct Bf16Emulation {
+  std::vector<double> dX, gate, up, down;
+};
+Bf16Emulation emulate_bf16_backward(int L, int d, int dff, std::vector<index_t> const& offs, std::vector<double> const& X,
+                                    std::vector<double> const& dY, std::vector<double> const& W1, std::vector<double> const& W3,
+                                    std::vector<double> const& W2) {
+  auto r16 = [](double v) { return static_cast<double>(to_float(to_bf16(static_cast<float>(v)))); };
+  index_t const n = offs.back();
+  Bf16Emulation e;
+  e.dX.assign(static_cast<std::size_t>(n) * d, 0.0);
+  e.gate.assign(static_cast<std::size_t>(L) * dff * d, 0.0);
+  e.up.assign(e.gate.size(), 0.0);
+  e.down.assign(static_cast<std::size_t>(L) * d * dff, 0.0);
+  for (int q = 0; q < L; ++q)
+    for (index_t r = offs[q]; r < offs[q + 1]; ++r) {
+      double const* x = &X[static_cast<std::size_t>(r) * d];
+      double const* dy = &dY[static_cast<std::size_t>(r) * d];
+      for (int j = 0; j < dff; ++j) {
+        double g = 0, uu = 0, dh = 0;
+        std::size_t const wj = (static_cast<std::size_t>(q) * dff + j) * d;
+        for (int k = 0; k < d; ++k) {
+          g += x[k] * W1[wj + k];
+          uu += x[k] * W3[wj + k];
+          dh += dy[k] * W2[(static_cast<std::size_t>(q) * d + k) * dff + j];
+        }
+        double const s = 1.0 / (1.0 + std::exp(-g));
+        double const h16 = r16(g * s * uu);
+        double const dg16 = r16(dh * uu * s * (1.0 + g * (1.0 - s))), du16 = r16(dh * g * s);
+        for (int k = 0; k < d; ++k) {
+          e.dX[static_cast<std::size_t>(r) * d + k] += dg16 * W1[wj + k] + du16 * W3[wj + k];
+          e.gate[wj + k] += dg16 * x[k];
+          e.up[wj + k] += du16 * x[k];
+          e.down[(static_cast<std::size_t>(q) * d + k) * dff + j] += dy[k] * h16;
+        }
+      }
+    }
+  return e;
+}
+
+/// Largest |a - b| over the rms of b.
+double scaled_error(std::vector<double> const& a, std::vector<double> const& b) {
+  double rms = 0, worst = 0;
+  for (double v : b) rms += v * v;
+  rms = std::sqrt(rms / static_cast<double>(std::max<std::size_t>(1, b.size())));
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst / std::max(rms, 1e-30);
+}
+
+}  // namespace
+
+TEST_CASE("expert backward with bf16 products: the bf16 numerics, FP32 accumulation", "[experts][backward]") {
+  bool const host_pairs = Experts::Impl::is_host_exec<Exec>() && std::string(Experts::Impl::host_kernel_table().isa) != "generic" &&
+                          Experts::Impl::host_kernel_table().dp[1] != nullptr;
+  // Odd d (a half pair at the end of every dY and X row), an empty and a
+  // one-row segment; bf16 weights and rows, so that X, dY and W are exact.
+  int const d = 37, dff = 50;
+  std::vector<index_t> const counts{5, 0, 17, 1};
+  int const L = static_cast<int>(counts.size());
+  ExpertWeights<bf16_t, Mem> w("w", {0, 1, 2, 3}, d, dff);
+  w.randomize(Exec(), 13);
+  std::vector<index_t> offs(1, 0);
+  for (index_t c : counts) offs.push_back(offs.back() + c);
+  index_t const n = offs.back();
+  auto const offsets = offsets_of(counts);
+  std::mt19937 rng(29);
+  auto X = random_rows<bf16_t>(n, d, rng, 1.0f);
+  auto dY = random_rows<bf16_t>(n, d, rng, 1.0f);
+  auto const want = emulate_bf16_backward(L, d, dff, offs, host_doubles(X), host_doubles(dY), host_doubles(w.gate()),
+                                          host_doubles(w.up()), host_doubles(w.down()));
+  // The host micro-kernels (automatic path), and the portable GEMM with
+  // bf16 operands segment by segment (generic path: the form a vendor GEMM
+  // with bf16 operands takes on a GPU).
+  for (auto [keep, path] : {std::pair<bool, GemmPath>{false, GemmPath::automatic}, {true, GemmPath::automatic}, {false, GemmPath::generic},
+                            {true, GemmPath::generic}}) {
+    BackwardOptions o, o32;
+    o.products = BackwardProducts::bf16;
+    o.gemm_path = o32.gemm_path = path;
+    bool const pairs = path == GemmPath::generic || host_pairs;
+    Backward<Exec, Mem> bw16(o), bw32(o32);
+    RowMatrix<float> dX16("dX16", n, d), dX32("dX32", n, d), Y("Y", n, d);
+    ExpertGradients<Mem> g16(w), g32(w);
+    SavedActivations<Mem> saved16, saved32;
+    if (keep) {
+      bw16.forward_keep(Exec(), w, X, offsets, Y, saved16);
+      bw32.forward_keep(Exec(), w, X, offsets, Y, saved32);
+    }
+    auto const l16 = bw16.backward(Exec(), w, X, offsets, dY, dX16, g16, saved16);
+    auto const l32 = bw32.backward(Exec(), w, X, offsets, dY, dX32, g32, saved32);
+    INFO("keep " << keep << " gemm " << to_string(path) << " paths " << l16.path << " / " << l32.path);
+    CHECK((l16.path.size() > 6 && l16.path.substr(l16.path.size() - 6) == ",bf16]") == pairs);
+    CHECK(l32.path.find("bf16") == std::string::npos);
+    double const e16[] = {scaled_error(host_doubles(dX16), want.dX), scaled_error(host_doubles(g16.gate), want.gate),
+                          scaled_error(host_doubles(g16.up), want.up), scaled_error(host_doubles(g16.down), want.down)};
+    double const e32[] = {scaled_error(host_doubles(dX32), want.dX), scaled_error(host_doubles(g32.gate), want.gate),
+                          scaled_error(host_doubles(g32.up), want.up), scaled_error(host_doubles(g32.down), want.down)};
+    for (int t = 0; t < 4; ++t) {
+      INFO("gradient " << t << ": bf16 products " << e16[t] << ", FP32 products " << e32[t]);
+      if (pairs) {
+        // The bf16 products follow the emulation to FP32 rounding (and the odd
+        // bf16 rounding of H, dG or dU that FP32 sums put on the other side);
+        // the products' sums run in another order on each path.
+        CHECK(e16[t] <= 2e-3);
+      } else {
+        CHECK(e16[t] == e32[t]);
+      }
+    }
+    if (pairs) {
+      // FP32 products do not round H, dG and dU: further from the emulation.
+      for (int t = 0; t < 4; ++t) CHECK(e32[t] > 4 * e16[t]);
+    }
+  }
+}
+
+TEST_CASE("host element-wise SwiGLU backward: fp64 values over the whole range, bf16 outputs rounded, dG over dH", "[experts][backward]") {
+  // Arguments across the range (saturating sigmoid at both ends included).
+  std::vector<float> g, u, dh;
+  for (int i = -4000; i <= 4000; ++i) {
+    g.push_back(static_cast<float>(i) * 0.0237f);  // -94.8 .. 94.8
+    u.push_back(0.75f - static_cast<float>(i % 7) * 0.31f);
+    dh.push_back(static_cast<float>(i % 11) * 0.17f - 0.8f);
+  }
+  std::size_t const n = g.size();
+  bool any = false;
+  for (auto const& isa : Experts::Impl::host_kernel_isas()) {
+    auto const& table = Experts::Impl::host_kernel_table(isa);
+    if (table.swiglu_backward_f32 == nullptr) continue;
+    any = true;
+    INFO(isa);
+    std::vector<float> h(n), dg(n), du(n);
+    table.swiglu_backward_f32(n, g.data(), u.data(), dh.data(), h.data(), dg.data(), du.data());
+    double worst = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      double const x = g[i], s = 1.0 / (1.0 + std::exp(-x)), silu = x * s, dsilu = s * (1.0 + x * (1.0 - s));
+      double const want[3] = {silu * u[i], dh[i] * u[i] * dsilu, dh[i] * silu};
+      // silu'(g) = s + g s (1 - s) cancels near g = -1.28: relative to its terms.
+      double const scale[3] = {std::abs(want[0]), std::abs(dh[i] * u[i]) * (s + std::abs(x) * s * (1.0 - s)), std::abs(want[2])};
+      double const got[3] = {h[i], dg[i], du[i]};
+      for (int k = 0; k < 3; ++k) worst = std::max(worst, std::abs(got[k] - want[k]) / (scale[k] + 1e-30));
+    }
+    CHECK(worst <= 1e-5);  // a few FP32 roundings of each term (3.6e-6 measured)
+    // bf16 outputs: the FP32 values rounded to nearest even.
+    std::vector<std::uint16_t> h16(n), dg16(n), du16(n);
+    table.swiglu_backward_bf16(n, g.data(), u.data(), dh.data(), h16.data(), dg16.data(), du16.data());
+    bool rounded = true;
+    for (std::size_t i = 0; i < n; ++i)
+      rounded = rounded && h16[i] == to_bf16(h[i]).bits && dg16[i] == to_bf16(dg[i]).bits && du16[i] == to_bf16(du[i]).bits;
+    CHECK(rounded);
+    // dG written over dH: the same values.
+    std::vector<float> inplace = dh;
+    table.swiglu_backward_f32(n, g.data(), u.data(), inplace.data(), h.data(), inplace.data(), du.data());
+    CHECK(std::memcmp(inplace.data(), dg.data(), n * sizeof(float)) == 0);
+  }
+  CHECK(any);
+}

@@ -21,6 +21,9 @@
 // forward's saved activations, Experts::Backward; the same backward serves
 // every runner) with ratio = backward time / that runner's forward time
 // (six GEMMs against three: about 2 when both run at GEMM speed).
+// --backward-products fp32|bf16 chooses the backward's operands
+// (Experts::BackwardProducts; default: bf16 for bf16 runs, as their forward
+// multiplies, fp32 otherwise); the line's products= and path= say what ran.
 
 #include "kmoe_bench_common.hpp"
 
@@ -153,7 +156,7 @@ int run(int argc, char** argv) {
   double zipf = 1.2;
   bool backward = false;
   std::string runners = "grouped,blas,padded,block", cases = "uniform,zipf,decode", dtype = "fp32", isa = "auto",
-              kernel = "auto";
+              kernel = "auto", backward_products;
   app.add_option("--experts", experts, "local experts L")->check(CLI::PositiveNumber);
   app.add_option("--rows", rows, "routed rows (uniform and zipf cases)")->check(CLI::NonNegativeNumber);
   app.add_option("--d", d, "hidden width")->check(CLI::PositiveNumber);
@@ -172,6 +175,8 @@ int run(int argc, char** argv) {
   app.add_option("--host-isa", isa, "grouped host micro-kernels: auto, avx512, avx2, generic");
   app.add_option("--grouped-kernel", kernel, "grouped mapping: auto, host_simd, portable");
   app.add_flag("--backward", backward, "also time the experts' backward (uniform and zipf cases)");
+  app.add_option("--backward-products", backward_products, "the backward's GEMM operands: fp32 or bf16 (default: the dtype)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed repetitions first")->check(CLI::NonNegativeNumber);
   try {
@@ -184,6 +189,9 @@ int run(int argc, char** argv) {
   int const threads = kmoe_bench::host_threads();
   constexpr bool host_exec = Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible;
   bool const bf16 = dtype == "bf16";
+  Experts::BackwardOptions backward_options;
+  backward_options.products = (backward_products.empty() ? bf16 : backward_products == "bf16") ? Experts::BackwardProducts::bf16
+                                                                                                : Experts::BackwardProducts::fp32;
   // The dense baseline in the runner's element type where a vendor GEMM takes
   // bf16 (cuBLAS), else the fp32 chain.
   constexpr bool dense_bf16_available = have_vendor_gemm<Exec, bf16_t>();
@@ -292,7 +300,7 @@ int run(int argc, char** argv) {
         RowMatrix<T, MS> X("bench::X", n, d), Y("bench::Y", n, d), dY("bench::dY", n, d), dX("bench::dX", n, d);
         Kokkos::deep_copy(X, from_float<T>(0.5f));
         Kokkos::deep_copy(dY, from_float<T>(0.25f));
-        Experts::Backward<Exec, MS> bw;
+        Experts::Backward<Exec, MS> bw(backward_options);
         Experts::SavedActivations<MS> saved;
         Experts::ExpertGradients<MS> grads(w);
         bw.forward_keep(exec, w, X, offsets, Y, saved);
@@ -357,6 +365,7 @@ int run(int argc, char** argv) {
                                  {"dense_gflops", kmoe_bench::fmt(dense_gflops)},
                                  {"threads", std::to_string(threads)},
                                  {"launches", std::to_string(bledger.kernel_launches)},
+                                 {"products", to_string(backward_options.products)},
                                  {"path", bledger.path}},
                                 bwd.wall / t.wall);
       }

@@ -233,6 +233,70 @@ inline void set_decode_kernels(HostKernelTable& t) {
   set_decode_kernels(t, std::make_index_sequence<host_decode_max_rows>{});
 }
 
+// SwiGLU backward, element-wise (see HostSwigluBackwardF32): straight-line
+// float and integer arithmetic that the compiler vectorizes for the unit's
+// ISA, with exp from a Cephes-style reduction and polynomial (within 2 ulp).
+static inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // 2^i stays a normal float
+  // The nearest integer to x log2(e) (adding and removing 1.5 * 2^23 rounds
+  // to an integer in the default rounding mode; floorf would not vectorize).
+  float const fi = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float const r = (x - fi * 0.693359375f) + fi * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float const e = p * r * r + r + 1.0f;
+  std::int32_t const bits = (static_cast<std::int32_t>(fi) + 127) * (1 << 23);
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+// Round to nearest even bf16 (a NaN stays a quiet NaN), as to_bf16 does.
+static inline std::uint16_t round_bf16(float v) {
+  std::uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  bool const nan = (u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu) != 0u;
+  std::uint32_t const r = nan ? ((u >> 16) | 0x0040u) : ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return static_cast<std::uint16_t>(r);
+}
+static inline float out_value(float v, float*) { return v; }
+static inline std::uint16_t out_value(float v, std::uint16_t*) { return round_bf16(v); }
+
+template <class O>
+void swiglu_backward(std::size_t n, float const* g, float const* u, float const* dh, O* h, O* dg, O* du) {
+  // dg may be dh (FP32): each block of dh is read into a buffer first, so
+  // the loop below reads and writes distinct arrays.
+  constexpr std::size_t B = 512;
+  alignas(64) float dhb[B];
+  for (std::size_t i0 = 0; i0 < n; i0 += B) {
+    std::size_t const m = n - i0 < B ? n - i0 : B;
+    std::memcpy(dhb, dh + i0, m * sizeof(float));
+    float const* __restrict gg = g + i0;
+    float const* __restrict uu = u + i0;
+    O* __restrict hh = h + i0;
+    O* __restrict gd = dg + i0;
+    O* __restrict ud = du + i0;
+    for (std::size_t i = 0; i < m; ++i) {
+      float const x = gg[i], uv = uu[i], d = dhb[i];
+      float const s = 1.0f / (1.0f + exp_approx(-x));
+      float const silu = x * s, dsilu = s * (1.0f + x * (1.0f - s));
+      hh[i] = out_value(silu * uv, hh);
+      gd[i] = out_value(d * uv * dsilu, gd);
+      ud[i] = out_value(d * silu, ud);
+    }
+  }
+}
+
+/// Element-wise entries.
+inline void set_elementwise_kernels(HostKernelTable& t) {
+  t.swiglu_backward_f32 = &swiglu_backward<float>;
+  t.swiglu_backward_bf16 = &swiglu_backward<std::uint16_t>;
+}
+
 }  // namespace KOKKOSMOE_EXPERTS_ISA_NS
 }  // namespace Impl
 }  // namespace Experts

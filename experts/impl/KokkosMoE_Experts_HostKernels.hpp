@@ -22,6 +22,7 @@
 /// row c with up row c in one call (w0 = gate, w1 = up) and phase 2 take nrw
 /// consecutive down rows (w1 = w0 + h * ldw).
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -77,6 +78,15 @@ using HostDecodeKernelDPSkewed = void (*)(int K, std::uint64_t const* xs2, std::
 /// \brief Pairs by which the skewed decode form's upper rows trail.
 constexpr int host_decode_skew = 32;
 
+/// \brief The SwiGLU backward's element-wise pass over n elements:
+/// h = silu(g) u, dg = dh u silu'(g), du = dh silu(g) with silu(g) = g s,
+/// silu'(g) = s (1 + g (1 - s)), s = 1 / (1 + exp(-g)) (exp within 2 ulp),
+/// outputs FP32 or bf16 (bits rounded to nearest even). dg may be dh.
+using HostSwigluBackwardF32 = void (*)(std::size_t n, float const* g, float const* u, float const* dh, float* h, float* dg,
+                                       float* du);
+using HostSwigluBackwardBF16 = void (*)(std::size_t n, float const* g, float const* u, float const* dh, std::uint16_t* h,
+                                        std::uint16_t* dg, std::uint16_t* du);
+
 /// \brief The micro-kernels of one instruction set.
 struct HostKernelTable {
   char const* isa = "none";                    ///< "avx512", "avx2" or "generic"
@@ -91,6 +101,8 @@ struct HostKernelTable {
   HostMicroKernelDP dp[host_max_vectors + 1] = {};
   HostDecodeKernelDP decode_dp[host_decode_max_rows + 1] = {};
   HostDecodeKernelDPSkewed decode_dp_skewed[host_decode_max_rows + 1] = {};
+  HostSwigluBackwardF32 swiglu_backward_f32 = nullptr;    ///< element-wise SwiGLU backward, FP32 outputs
+  HostSwigluBackwardBF16 swiglu_backward_bf16 = nullptr;  ///< the same, bf16 outputs
 };
 
 /// \brief Whether the decode of `rows` bf16 rows against weight rows of K

@@ -19,6 +19,7 @@ void fill_host_kernels_avx2(HostKernelTable& t) {
   avx2::set_kernel<2, 6>(t);
   avx2::set_kernel<1, 12>(t);
   avx2::set_decode_kernels(t);
+  avx2::set_elementwise_kernels(t);
 }
 
 }  // namespace Impl

@@ -22,6 +22,7 @@ void fill_host_kernels_avx512(HostKernelTable& t) {
   avx512::set_kernel<2, 12>(t);
   avx512::set_kernel<1, 12>(t);
   avx512::set_decode_kernels(t);
+  avx512::set_elementwise_kernels(t);
 }
 
 }  // namespace Impl

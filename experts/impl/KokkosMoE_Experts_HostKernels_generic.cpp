@@ -18,6 +18,7 @@ void fill_host_kernels_generic(HostKernelTable& t) {
   generic::set_kernel<2, 12>(t);
   generic::set_kernel<1, 12>(t);
   generic::set_decode_kernels(t);
+  generic::set_elementwise_kernels(t);
 }
 
 }  // namespace Impl

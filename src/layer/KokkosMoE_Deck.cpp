@@ -119,9 +119,10 @@ void parse_run(Reader& r, LayerDeck& d) {
   d.train.schedule = r.choice("train.schedule", "constant", {"constant", "cosine"});
   d.train.gradient_block = static_cast<int>(r.integer("train.gradient_block", 64, 1, big));
   d.train.reproducible_shared = r.boolean("train.reproducible_shared", false);
+  d.train.products = r.choice("train.products", "fp32", {"fp32", "bf16"});
   if (d.run.mode != "train")
     for (char const* key : {"train.optimizer", "train.learning_rate", "train.teacher_seed", "train.balance_alpha", "train.teacher_router",
-                            "train.schedule", "train.gradient_block", "train.reproducible_shared"})
+                            "train.schedule", "train.gradient_block", "train.reproducible_shared", "train.products"})
       if (r.has(key)) r.fail(key, "is read only with run.mode = \"train\"");
   if (!chunked && d.run.chunks != 1)
     r.fail("run.chunks", "= " + std::to_string(d.run.chunks) + " needs a chunked schedule (run.schedule is '" + to_string(d.run.schedule) +
@@ -480,7 +481,8 @@ std::string LayerDeck::resolved() const {
        << "\nschedule = " << quoted(train.schedule)
        << "\nteacher_seed = " << train.teacher_seed << "\nbalance_alpha = " << train.balance_alpha
        << "\nteacher_router = " << quoted(train.teacher_router) << "\ngradient_block = " << train.gradient_block
-       << "\nreproducible_shared = " << (train.reproducible_shared ? "true" : "false") << "\n";
+       << "\nreproducible_shared = " << (train.reproducible_shared ? "true" : "false") << "\nproducts = " << quoted(train.products)
+       << "\n";
   os << "\n[model]\nhidden = " << model.hidden << "\nexperts = " << model.experts << "\ntop_k = " << model.top_k << "\nffn = " << model.ffn
      << "\nshared_experts = " << model.shared_experts << "\nshared_ffn = " << model.shared_ffn << "\ndtype = " << quoted(model.dtype)
      << "\npayload = " << quoted(to_string(model.payload)) << "\nreturn_payload = " << quoted(to_string(model.return_payload)) << "\n";

@@ -81,6 +81,7 @@ struct LayerDeck {
     std::string teacher_router = "student";  ///< "student": the teacher routes like the untrained student; "own"
     int gradient_block = 64;           ///< tokens per block of the reproducible gradient sums
     bool reproducible_shared = false;  ///< shared experts' gradients summed reproducibly too
+    std::string products = "fp32";     ///< the experts' training GEMMs: "fp32" or "bf16" operands
   } train;
 
   struct Model {

@@ -54,6 +54,8 @@ struct LayerConfig {
   Exchange::ExchangeConfig exchange;
   ReplicaPolicy replica_policy = ReplicaPolicy::locality;
   ScheduleConfig schedule;        ///< serial, shared_overlap, chunked, both; chunks
+  /// Operands of the experts' training GEMMs (forward_keep and backward).
+  Experts::BackwardProducts backward_products = Experts::BackwardProducts::fp32;
 };
 
 /// \brief One task of a step as it ran on this rank: seconds from the start
@@ -181,7 +183,7 @@ class MoELayer {
         router_(config_.router),
         runner_(config_.runner),
         shared_runner_(config_.shared_runner),
-        backward_(backward_options(config_.runner)) {
+        backward_(backward_options(config_)) {
     config_.exchange.top_k = config_.router.top_k;
     collective(comms.ep().comm(), "MoE layer setup", [&] { check_setup(); }, config_.exchange.watchdog_seconds);
     device_placement_ = make_device_placement<MemorySpace>(placement_);
@@ -550,10 +552,11 @@ class MoELayer {
   }
 
   /// The experts' backward computes with the GEMM the deck chose for the
-  /// forward runner (`[experts] gemm`).
-  static Experts::BackwardOptions backward_options(Experts::RunnerOptions const& runner) {
+  /// forward runner (`[experts] gemm`), on the configured operands.
+  static Experts::BackwardOptions backward_options(LayerConfig const& config) {
     Experts::BackwardOptions o;
-    o.gemm_path = runner.gemm_path;
+    o.gemm_path = config.runner.gemm_path;
+    o.products = config.backward_products;
     return o;
   }
 

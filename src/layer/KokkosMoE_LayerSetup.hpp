@@ -147,6 +147,7 @@ inline LayerConfig layer_config(LayerDeck const& d, Placement const& placement) 
   c.replica_policy = d.placement.replica_policy;
   c.schedule.kind = d.run.schedule;
   c.schedule.chunks = d.run.chunks;
+  c.backward_products = from_string<Experts::BackwardProducts>(d.train.products);
   return c;
 }
 
