@@ -298,6 +298,11 @@ class Backward {
                               (options_.gemm_path == GemmPath::generic ||
                                (have_vendor_gemm<ExecutionSpace, bf16_t, float>() &&
                                 (options_.gemm_path == GemmPath::automatic || options_.gemm_path == GemmPath::vendor)));
+    // FP32 weights and products with a vendor grouped GEMM (cuBLAS): every
+    // GEMM phase one grouped call over all segments.
+    bool const grouped_fp32 = table == nullptr && !segment_bf16 && std::is_same<WT, float>::value &&
+                              Impl::GroupedGemmVendor<ExecutionSpace, float>::available &&
+                              (options_.gemm_path == GemmPath::automatic || options_.gemm_path == GemmPath::vendor);
     if (n > 0) {
       auto dXf = float_target(exec, dX, n, d);
       // G and U: the saved ones, read in place, or recomputed below.
@@ -316,6 +321,9 @@ class Backward {
       } else if (segment_bf16) {
         ledger.kernel_launches += segment_backward<SlotWeights16>(exec, offs, w, as_bf16(exec, X, "x16"), as_bf16(exec, dY, "dy16"),
                                                                   recompute, G, U, dXf, grads, ran);
+      } else if (grouped_fp32) {
+        ledger.kernel_launches +=
+            grouped_backward(exec, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"), recompute, G, U, dXf, grads);
       } else {
         ledger.kernel_launches += segment_backward<Weights32>(exec, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"),
                                                               recompute, G, U, dXf, grads, ran);
@@ -323,8 +331,11 @@ class Backward {
       finish_target(exec, dXf, dX);
     }
     ledger.path = std::string("swiglu[") +
-                  (host_table() ? std::string("host:") + host_table()->isa
-                                : ran == GemmPath::kokkos_kernels ? "KokkosKernels" : ran == GemmPath::vendor ? "cublas" : "generic") +
+                  (host_table()    ? std::string("host:") + host_table()->isa
+                   : grouped_fp32 ? "cublas:grouped"
+                   : ran == GemmPath::kokkos_kernels ? "KokkosKernels"
+                   : ran == GemmPath::vendor         ? "cublas"
+                                                     : "generic") +
                   (recompute ? ",recompute" : ",saved") + (bf16 || segment_bf16 ? ",bf16]" : "]");
     Compat::fence(exec, "KokkosMoE::Experts::Backward::backward");
     return ledger;
@@ -454,6 +465,74 @@ class Backward {
       launches += 5;
     }
     return launches;
+  }
+
+  /// The backward with FP32 weights and operands as grouped vendor GEMMs
+  /// (Impl::GroupedGemmVendor: cublasGemmGroupedBatchedEx on CUDA), each
+  /// phase one call over every segment, in host_backward's order: [G, U],
+  /// dH, the element-wise kernel, dX = dG W1, dX += dU W3, then dW2, dW1
+  /// and dW3 in one call. Returns the launches.
+  template <class WT>
+  index_t grouped_backward(ExecutionSpace const& exec, std::vector<index_t> const& offs, ExpertWeights<WT, MemorySpace> const& w,
+                           const_float_matrix const& X, const_float_matrix const& dY, bool recompute, const_float_matrix G,
+                           const_float_matrix U, float_matrix const& dX, ExpertGradients<MemorySpace>& grads) {
+    using Vendor = Impl::GroupedGemmVendor<ExecutionSpace, float>;
+    if constexpr (Vendor::available && std::is_same<WT, float>::value) {
+      index_t const n = offs.back();
+      int const d = w.d(), dff = w.d_ff();
+      float const beta = options_.accumulate ? 1.0f : 0.0f;
+      std::size_t const per = static_cast<std::size_t>(d) * static_cast<std::size_t>(dff);
+      index_t launches = 0;
+      // One row-major product per non-empty segment q of rows [b, b + m).
+      auto phase = [&](char const* label, auto&& product) {
+        std::vector<Impl::RowProduct> list;
+        for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
+          index_t const b = offs[q], m = offs[q + 1] - offs[q];
+          if (m > 0) product(list, q, static_cast<std::size_t>(b), static_cast<int>(m));
+        }
+        launches += Vendor::run(exec, list, ws_, label);
+      };
+      auto rp = [](char ta, char tb, int M, int N, int K, float const* A, int lda, float const* B, int ldb, float* C, int ldc,
+                   float be) {
+        Impl::RowProduct p;
+        p.ta = ta, p.tb = tb, p.M = M, p.N = N, p.K = K, p.A = A, p.lda = lda, p.B = B, p.ldb = ldb, p.C = C, p.ldc = ldc, p.beta = be;
+        return p;
+      };
+      if (recompute) {
+        auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
+        auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
+        phase("KokkosMoE::Experts::backward[grouped,gate_up]", [&](auto& l, std::size_t q, std::size_t b, int m) {
+          l.push_back(rp('N', 'T', m, dff, d, X.data() + b * d, d, w.gate().data() + q * per, d, Gr.data() + b * dff, dff, 0.0f));
+          l.push_back(rp('N', 'T', m, dff, d, X.data() + b * d, d, w.up().data() + q * per, d, Ur.data() + b * dff, dff, 0.0f));
+        });
+        G = Gr;
+        U = Ur;
+      }
+      auto dH = ws_.template matrix<float>(exec, "dh", n, dff);  // dH, then dG
+      auto H = ws_.template matrix<float>(exec, "h", n, dff);
+      auto dU = ws_.template matrix<float>(exec, "du", n, dff);
+      phase("KokkosMoE::Experts::backward[grouped,dH]", [&](auto& l, std::size_t q, std::size_t b, int m) {
+        l.push_back(rp('N', 'N', m, dff, d, dY.data() + b * d, d, w.down().data() + q * per, dff, dH.data() + b * dff, dff, 0.0f));
+      });
+      Impl::swiglu_backward_rows(exec, G, U, dH.data(), H.data(), dH.data(), dU.data());
+      launches += 1;
+      phase("KokkosMoE::Experts::backward[grouped,dX]", [&](auto& l, std::size_t q, std::size_t b, int m) {
+        l.push_back(rp('N', 'N', m, d, dff, dH.data() + b * dff, dff, w.gate().data() + q * per, d, dX.data() + b * d, d, 0.0f));
+      });
+      phase("KokkosMoE::Experts::backward[grouped,dX+]", [&](auto& l, std::size_t q, std::size_t b, int m) {
+        l.push_back(rp('N', 'N', m, d, dff, dU.data() + b * dff, dff, w.up().data() + q * per, d, dX.data() + b * d, d, 1.0f));
+      });
+      phase("KokkosMoE::Experts::backward[grouped,dW]", [&](auto& l, std::size_t q, std::size_t b, int m) {
+        l.push_back(rp('T', 'N', d, dff, m, dY.data() + b * d, d, H.data() + b * dff, dff, grads.down.data() + q * per, dff, beta));
+        l.push_back(rp('T', 'N', dff, d, m, dH.data() + b * dff, dff, X.data() + b * d, d, grads.gate.data() + q * per, d, beta));
+        l.push_back(rp('T', 'N', dff, d, m, dU.data() + b * dff, dff, X.data() + b * d, d, grads.up.data() + q * per, d, beta));
+      });
+      return launches;
+    } else {
+      (void)exec, (void)offs, (void)w, (void)X, (void)dY, (void)recompute, (void)G, (void)U, (void)dX, (void)grads;
+      KOKKOSMOE_REQUIRE(false, "Experts::backward: no grouped vendor GEMM for FP32 weights here");
+      return 0;
+    }
   }
 
   /// The backward's GEMMs and element-wise kernel on the host micro-kernels

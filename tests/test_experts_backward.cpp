@@ -546,3 +546,57 @@ TEST_CASE("host element-wise SwiGLU backward: fp64 values over the whole range, 
   }
   CHECK(any);
 }
+
+TEST_CASE("row-major grouped products map onto column-major problems (the cuBLAS grouped calls)", "[experts][backward]") {
+  // A column-major BLAS executed on the host: C(i, j) = c[i + j ldc].
+  auto column_gemm = [](Experts::Impl::ColumnProblem const& p) {
+    auto const* a = static_cast<float const*>(p.a);
+    auto const* b = static_cast<float const*>(p.b);
+    auto* c = static_cast<float*>(p.c);
+    for (int j = 0; j < p.n; ++j)
+      for (int i = 0; i < p.m; ++i) {
+        double sum = 0;
+        for (int k = 0; k < p.k; ++k) {
+          double const av = p.opa == 'N' ? a[i + static_cast<long>(k) * p.lda] : a[k + static_cast<long>(i) * p.lda];
+          double const bv = p.opb == 'N' ? b[k + static_cast<long>(j) * p.ldb] : b[j + static_cast<long>(k) * p.ldb];
+          sum += av * bv;
+        }
+        float& out = c[i + static_cast<long>(j) * p.ldc];
+        out = static_cast<float>(sum + p.beta * out);
+      }
+  };
+  std::mt19937 rng(31);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto [ta, tb] : {std::pair<char, char>{'N', 'N'}, {'N', 'T'}, {'T', 'N'}})
+    for (float beta : {0.0f, 1.0f}) {
+      int const M = 7, N = 11, K = 5, pad = 3;  // row strides wider than the rows
+      int const ar = ta == 'N' ? M : K, ac = ta == 'N' ? K : M, br = tb == 'N' ? K : N, bc = tb == 'N' ? N : K;
+      std::vector<float> A(static_cast<std::size_t>(ar) * (ac + pad)), B(static_cast<std::size_t>(br) * (bc + pad)),
+          C(static_cast<std::size_t>(M) * (N + pad));
+      for (auto* v : {&A, &B, &C})
+        for (auto& x : *v) x = u(rng);
+      std::vector<float> const C0 = C;
+      Experts::Impl::RowProduct p;
+      p.ta = ta, p.tb = tb, p.M = M, p.N = N, p.K = K;
+      p.A = A.data(), p.lda = ac + pad, p.B = B.data(), p.ldb = bc + pad, p.C = C.data(), p.ldc = N + pad, p.beta = beta;
+      column_gemm(Experts::Impl::column_major(p));
+      double worst = 0;
+      for (int i = 0; i < M; ++i)
+        for (int j = 0; j < N; ++j) {
+          double want = beta * C0[static_cast<std::size_t>(i) * p.ldc + j];
+          for (int k = 0; k < K; ++k) {
+            double const a = ta == 'N' ? A[static_cast<std::size_t>(i) * p.lda + k] : A[static_cast<std::size_t>(k) * p.lda + i];
+            double const b = tb == 'N' ? B[static_cast<std::size_t>(k) * p.ldb + j] : B[static_cast<std::size_t>(j) * p.ldb + k];
+            want += a * b;
+          }
+          worst = std::max(worst, std::abs(C[static_cast<std::size_t>(i) * p.ldc + j] - want));
+        }
+      INFO(ta << tb << " beta " << beta);
+      CHECK(worst <= 1e-5);
+      // The padding columns of C are untouched.
+      bool pad_kept = true;
+      for (int i = 0; i < M; ++i)
+        for (int j = N; j < N + pad; ++j) pad_kept = pad_kept && C[static_cast<std::size_t>(i) * p.ldc + j] == C0[static_cast<std::size_t>(i) * p.ldc + j];
+      CHECK(pad_kept);
+    }
+}

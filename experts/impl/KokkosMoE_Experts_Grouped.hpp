@@ -59,6 +59,63 @@ struct GroupedVendor {
   static constexpr char const* name = "none";
 };
 
+/// \brief One row-major product of a grouped GEMM call:
+/// C = op(A) op(B) + beta C with C [M, N] (row stride ldc), op(A) [M, K] and
+/// op(B) [K, N]; A and B are stored row-major with row strides lda and ldb
+/// (A is [M, K] for ta 'N', [K, M] for 'T'; B likewise).
+struct RowProduct {
+  char ta = 'N', tb = 'N';
+  int M = 0, N = 0, K = 0;
+  void const* A = nullptr;
+  int lda = 0;
+  void const* B = nullptr;
+  int ldb = 0;
+  void* C = nullptr;
+  int ldc = 0;
+  float beta = 0.0f;
+};
+
+/// \brief The same product for a column-major BLAS (cuBLAS): a row-major
+/// [r, c] matrix with row stride ld is the column-major [c, r] matrix with
+/// leading dimension ld, so row-major C = op(A) op(B) is column-major
+/// C^T = op(B)^T op(A)^T: first operand B with B's op, second A with A's,
+/// m = N, n = M.
+struct ColumnProblem {
+  char opa = 'N', opb = 'N';
+  int m = 0, n = 0, k = 0;
+  void const* a = nullptr;
+  int lda = 0;
+  void const* b = nullptr;
+  int ldb = 0;
+  void* c = nullptr;
+  int ldc = 0;
+  float beta = 0.0f;
+};
+inline ColumnProblem column_major(RowProduct const& p) {
+  ColumnProblem c;
+  c.opa = p.tb;
+  c.opb = p.ta;
+  c.m = p.N;
+  c.n = p.M;
+  c.k = p.K;
+  c.a = p.B;
+  c.lda = p.ldb;
+  c.b = p.A;
+  c.ldb = p.lda;
+  c.c = p.C;
+  c.ldc = p.ldc;
+  c.beta = p.beta;
+  return c;
+}
+
+/// \brief A grouped GEMM in one vendor call over a list of products of
+/// element type T (FP32 accumulation, C in T): tpls/ specializes it where a
+/// vendor library has one (cublasGemmGroupedBatchedEx on CUDA).
+template <class Exec, class T, class Enable = void>
+struct GroupedGemmVendor {
+  static constexpr bool available = false;
+};
+
 /// A work tile: rows [row0, row0 + rows) of local slot `slot`.
 struct Tile {
   index_t slot, row0, rows;

@@ -78,6 +78,23 @@ struct GroupedProblems {
     beta.push_back(0.0f);
     size.push_back(1);
   }
+  /// A column-major problem (impl/: column_major of a row-major product).
+  void add(ColumnProblem const& p) {
+    ta.push_back(p.opa == 'T' ? CUBLAS_OP_T : CUBLAS_OP_N);
+    tb.push_back(p.opb == 'T' ? CUBLAS_OP_T : CUBLAS_OP_N);
+    m.push_back(p.m);
+    n.push_back(p.n);
+    k.push_back(p.k);
+    a.push_back(p.a);
+    lda.push_back(p.lda);
+    b.push_back(p.b);
+    ldb.push_back(p.ldb);
+    c.push_back(p.c);
+    ldc.push_back(p.ldc);
+    alpha.push_back(1.0f);
+    beta.push_back(p.beta);
+    size.push_back(1);
+  }
   int count() const { return static_cast<int>(m.size()); }
 };
 
@@ -109,6 +126,25 @@ void grouped_gemm(cublasHandle_t h, Kokkos::Cuda const& exec, GroupedProblems co
   // the pointers must outlive the copy, which deep_copy from pageable
   // memory completes before returning.
 }
+
+/// Row-major grouped products of one element type (float: FP32 in and out;
+/// bf16_t: bf16 in and out) in one cublasGemmGroupedBatchedEx; the
+/// experts' backward runs its FP32 GEMM phases through it.
+template <class T>
+struct GroupedGemmVendor<Kokkos::Cuda, T, std::enable_if_t<std::is_same<T, float>::value || std::is_same<T, bf16_t>::value>> {
+  static constexpr bool available = true;
+  /// Runs the non-empty products (disjoint outputs) in one call; returns
+  /// the calls made (0 or 1).
+  template <class MS>
+  static int run(Kokkos::Cuda const& exec, std::vector<RowProduct> const& list, Workspace<MS>& ws, char const* label) {
+    GroupedProblems p;
+    for (auto const& r : list)
+      if (r.M > 0 && r.N > 0 && r.K > 0) p.add(column_major(r));
+    if (p.count() == 0) return 0;
+    grouped_gemm(cublas_handle(exec), exec, p, cuda_data_type<T>(), cuda_data_type<T>(), ws, label);
+    return 1;
+  }
+};
 
 template <class WT, class XT, class YT>
 struct GroupedVendor<Kokkos::Cuda, WT, XT, YT,
