@@ -277,7 +277,6 @@ class Backward {
     // beta 0 unless accumulating (BLAS zeroes C right before it adds, while
     // C is still in cache, instead of a separate pass over every gradient);
     // a slot without rows is zeroed here.
-    float const beta = options_.accumulate ? 1.0f : 0.0f;
     if (!options_.accumulate) {
       for (int q = 0; q < L; ++q) {
         auto const r = segment(offs, q);
@@ -633,7 +632,9 @@ class Backward {
     std::vector<Impl::HostTransposeOf<LT>> transposes;
     std::vector<Impl::HostProductOf<RT, LT>> list;
     std::vector<RowMatrix<LT, MemorySpace>> scratch;
-    std::string const tag = std::is_same<LT, float>::value ? "lhs_t" : "lhs_t16_";
+    // One label per element type and width: a workspace drops a label's free
+    // buffers of another shape, and the phases' widths differ (d, d_ff).
+    std::string const tag = (std::is_same<LT, float>::value ? "lhs_t" : "lhs_t16_") + std::to_string(J) + "_";
     for (std::size_t t = 0; t < terms.size(); ++t) {
       scratch.push_back(ws_.template matrix<LT>(exec, tag + std::to_string(t), n, static_cast<std::size_t>(J)));
       LT* const at = scratch.back().data();
