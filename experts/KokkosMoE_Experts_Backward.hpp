@@ -735,42 +735,28 @@ class Backward {
       Impl::convert_matrix(exec, f, v, "KokkosMoE::Experts::Backward[convert out]");
   }
 
-  template <class WT>
-  void slot_weights(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, int q, Weights32& W) {
+  /// One slot's weights in the element type of SW (Weights32: float,
+  /// SlotWeights16: bf16_t): views of weights of that type, converted
+  /// copies of the others.
+  template <class WT, class SW>
+  void slot_weights(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, int q, SW& W) {
+    using T = typename decltype(W.gate)::non_const_value_type;
+    using M = decltype(W.gate);
     int const d = w.d(), dff = w.d_ff();
-    if constexpr (std::is_same<WT, float>::value) {
+    if constexpr (std::is_same<WT, T>::value) {
       std::size_t const per = static_cast<std::size_t>(d) * static_cast<std::size_t>(dff) * static_cast<std::size_t>(q);
-      W.gate = const_float_matrix(w.gate().data() + per, dff, d);
-      W.up = const_float_matrix(w.up().data() + per, dff, d);
-      W.down = const_float_matrix(w.down().data() + per, d, dff);
+      W.gate = M(w.gate().data() + per, dff, d);
+      W.up = M(w.up().data() + per, dff, d);
+      W.down = M(w.down().data() + per, d, dff);
     } else {
-      auto cg = ws_.template matrix<float>(exec, "wg", dff, static_cast<std::size_t>(d));
-      auto cu = ws_.template matrix<float>(exec, "wu", dff, static_cast<std::size_t>(d));
-      auto cd = ws_.template matrix<float>(exec, "wd", d, static_cast<std::size_t>(dff));
-      Impl::convert_matrix(exec, Kokkos::subview(w.gate(), q, Kokkos::ALL, Kokkos::ALL), cg, "KokkosMoE::Experts::Backward[convert W]");
-      Impl::convert_matrix(exec, Kokkos::subview(w.up(), q, Kokkos::ALL, Kokkos::ALL), cu, "KokkosMoE::Experts::Backward[convert W]");
-      Impl::convert_matrix(exec, Kokkos::subview(w.down(), q, Kokkos::ALL, Kokkos::ALL), cd, "KokkosMoE::Experts::Backward[convert W]");
-      W.gate = cg;
-      W.up = cu;
-      W.down = cd;
-    }
-  }
-
-  template <class WT>
-  void slot_weights(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, int q, SlotWeights16& W) {
-    int const d = w.d(), dff = w.d_ff();
-    if constexpr (std::is_same<WT, bf16_t>::value) {
-      std::size_t const per = static_cast<std::size_t>(d) * static_cast<std::size_t>(dff) * static_cast<std::size_t>(q);
-      W.gate = const_bf16_matrix(w.gate().data() + per, dff, d);
-      W.up = const_bf16_matrix(w.up().data() + per, dff, d);
-      W.down = const_bf16_matrix(w.down().data() + per, d, dff);
-    } else {
-      auto cg = ws_.template matrix<bf16_t>(exec, "wg16", dff, static_cast<std::size_t>(d));
-      auto cu = ws_.template matrix<bf16_t>(exec, "wu16", dff, static_cast<std::size_t>(d));
-      auto cd = ws_.template matrix<bf16_t>(exec, "wd16", d, static_cast<std::size_t>(dff));
-      Impl::convert_matrix(exec, Kokkos::subview(w.gate(), q, Kokkos::ALL, Kokkos::ALL), cg, "KokkosMoE::Experts::Backward[round W]");
-      Impl::convert_matrix(exec, Kokkos::subview(w.up(), q, Kokkos::ALL, Kokkos::ALL), cu, "KokkosMoE::Experts::Backward[round W]");
-      Impl::convert_matrix(exec, Kokkos::subview(w.down(), q, Kokkos::ALL, Kokkos::ALL), cd, "KokkosMoE::Experts::Backward[round W]");
+      std::string const tag = std::is_same<T, float>::value ? "" : "16";
+      auto cg = ws_.template matrix<T>(exec, "wg" + tag, dff, static_cast<std::size_t>(d));
+      auto cu = ws_.template matrix<T>(exec, "wu" + tag, dff, static_cast<std::size_t>(d));
+      auto cd = ws_.template matrix<T>(exec, "wd" + tag, d, static_cast<std::size_t>(dff));
+      char const* label = "KokkosMoE::Experts::Backward[convert W]";
+      Impl::convert_matrix(exec, Kokkos::subview(w.gate(), q, Kokkos::ALL, Kokkos::ALL), cg, label);
+      Impl::convert_matrix(exec, Kokkos::subview(w.up(), q, Kokkos::ALL, Kokkos::ALL), cu, label);
+      Impl::convert_matrix(exec, Kokkos::subview(w.down(), q, Kokkos::ALL, Kokkos::ALL), cd, label);
       W.gate = cg;
       W.up = cu;
       W.down = cd;

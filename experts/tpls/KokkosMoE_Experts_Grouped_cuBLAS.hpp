@@ -62,21 +62,11 @@ struct GroupedProblems {
   std::vector<float> alpha, beta;
   std::vector<void const*> a, b;
   std::vector<void*> c;
+  /// C = A^T B (column-major; the forward's form: A a row-major weight).
   void add(int mm, int nn, int kk, void const* A, int la, void const* B, int lb, void* C, int lc) {
-    ta.push_back(CUBLAS_OP_T);
-    tb.push_back(CUBLAS_OP_N);
-    m.push_back(mm);
-    n.push_back(nn);
-    k.push_back(kk);
-    a.push_back(A);
-    lda.push_back(la);
-    b.push_back(B);
-    ldb.push_back(lb);
-    c.push_back(C);
-    ldc.push_back(lc);
-    alpha.push_back(1.0f);
-    beta.push_back(0.0f);
-    size.push_back(1);
+    ColumnProblem p;
+    p.opa = 'T', p.opb = 'N', p.m = mm, p.n = nn, p.k = kk, p.a = A, p.lda = la, p.b = B, p.ldb = lb, p.c = C, p.ldc = lc;
+    add(p);
   }
   /// A column-major problem (impl/: column_major of a row-major product).
   void add(ColumnProblem const& p) {
