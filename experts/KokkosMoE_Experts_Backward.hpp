@@ -102,7 +102,9 @@ enum class BackwardProducts {
   /// (cuBLAS cublasGemmEx on CUDA, tensor cores; automatic or vendor path)
   /// and on the generic path (the portable GEMM); elsewhere (Kokkos Kernels,
   /// a host without the pair kernels) the products stay FP32. The ledger's
-  /// path ends in ",bf16" when they ran.
+  /// path ends in ",bf16" when they ran. forward_keep takes bf16 operands on
+  /// the host pair kernels only; elsewhere it keeps G and U from FP32
+  /// products.
   bf16
 };
 
