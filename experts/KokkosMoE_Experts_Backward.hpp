@@ -102,9 +102,8 @@ enum class BackwardProducts {
   /// (cuBLAS cublasGemmEx on CUDA, tensor cores; automatic or vendor path)
   /// and on the generic path (the portable GEMM); elsewhere (Kokkos Kernels,
   /// a host without the pair kernels) the products stay FP32. The ledger's
-  /// path ends in ",bf16" when they ran. forward_keep takes bf16 operands on
-  /// the host pair kernels only; elsewhere it keeps G and U from FP32
-  /// products.
+  /// path ends in ",bf16" when they ran. forward_keep multiplies the same
+  /// way on the same route (X and H rounded to bf16).
   bf16
 };
 
@@ -186,7 +185,10 @@ class Backward {
 
   /// \brief Y = experts(X) per segment (blas form), keeping G and U in
   /// `saved` for backward(): the forward of a training step. Same function
-  /// as Runner::run (fp32 accumulation; not bitwise the grouped kernel).
+  /// as Runner::run (fp32 accumulation; not bitwise the grouped kernel). Its
+  /// products take the operands backward() takes (BackwardProducts), on the
+  /// same route: with bf16 products X and H are rounded to bf16 before their
+  /// products, as a bf16 forward multiplies.
   template <class WT, class XV, class OffV, class YV>
   void forward_keep(ExecutionSpace const& exec, ExpertWeights<WT, MemorySpace> const& w, XV const& X, OffV const& offsets,
                     YV const& Y, SavedActivations<MemorySpace>& saved) {
@@ -196,47 +198,17 @@ class Backward {
     saved.gate = RowMatrix<float, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::saved_gate"), n, dff);
     saved.up = RowMatrix<float, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::saved_up"), n, dff);
     if (n == 0) return;
+    Compat::ScopedRegion region("KokkosMoE::Experts::forward_keep");
     auto Yf = float_target(exec, Y, n, d);
-    if (bf16_products()) {
-      // bf16 X and H on the pair kernels.
-      auto const* table = host_table();
-      auto X16 = as_bf16(exec, X, "x16");
-      host_rows_by_weights(exec, *table, offs, X16.data(), d, w.gate(), saved.gate.data(), dff, true);
-      host_rows_by_weights(exec, *table, offs, X16.data(), d, w.up(), saved.up.data(), dff, true);
-      auto H16 = ws_.template matrix<bf16_t>(exec, "h16", n, dff);
-      Impl::swiglu_rows(exec, saved.gate, saved.up, H16);
-      host_rows_by_weights(exec, *table, offs, H16.data(), dff, w.down(), Yf.data(), d, true);
-      finish_target(exec, Yf, Y);
-      Compat::fence(exec, "KokkosMoE::Experts::Backward::forward_keep");
-      return;
-    }
-    auto Xf = as_float(exec, X, "x");
-    auto H = ws_.template matrix<float>(exec, "h", n, dff);
-    Weights32 W;
-    if (auto const* table = host_table()) {
-      host_rows_by_weights(exec, *table, offs, Xf.data(), d, w.gate(), saved.gate.data(), dff, true);
-      host_rows_by_weights(exec, *table, offs, Xf.data(), d, w.up(), saved.up.data(), dff, true);
-    } else {
-      for (int q = 0; q < w.num_slots(); ++q) {
-        auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
-        if (r.first == r.second) continue;
-        slot_weights(exec, w, q, W);
-        auto Xq = Kokkos::subview(Xf, r, Kokkos::ALL);
-        gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(saved.gate, r, Kokkos::ALL), options_.gemm_path);
-        gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(saved.up, r, Kokkos::ALL), options_.gemm_path);
-      }
-    }
-    Impl::swiglu_rows(exec, saved.gate, saved.up, H);
-    if (auto const* table = host_table()) {
-      host_rows_by_weights(exec, *table, offs, H.data(), dff, w.down(), Yf.data(), d, true);
-    } else {
-      for (int q = 0; q < w.num_slots(); ++q) {
-        auto const r = std::make_pair(offs[static_cast<std::size_t>(q)], offs[static_cast<std::size_t>(q + 1)]);
-        if (r.first == r.second) continue;
-        slot_weights(exec, w, q, W);
-        gemm(exec, 'N', 'T', 1.0f, Kokkos::subview(H, r, Kokkos::ALL), W.down, 0.0f, Kokkos::subview(Yf, r, Kokkos::ALL),
-             options_.gemm_path);
-      }
+    float_matrix const G(saved.gate.data(), static_cast<std::size_t>(n), static_cast<std::size_t>(dff));
+    float_matrix const U(saved.up.data(), static_cast<std::size_t>(n), static_cast<std::size_t>(dff));
+    GemmPath ran = GemmPath::generic;
+    switch (route<WT>()) {
+      case Route::host_bf16: host_forward(exec, *host_table(), offs, w, as_bf16(exec, X, "x16"), G, U, Yf); break;
+      case Route::host_fp32: host_forward(exec, *host_table(), offs, w, as_float(exec, X, "x"), G, U, Yf); break;
+      case Route::segment_bf16: segment_forward<SlotWeights16>(exec, offs, w, as_bf16(exec, X, "x16"), G, U, Yf, ran); break;
+      case Route::grouped_fp32: grouped_forward(exec, offs, w, as_float(exec, X, "x"), G, U, Yf); break;
+      case Route::segment_fp32: segment_forward<Weights32>(exec, offs, w, as_float(exec, X, "x"), G, U, Yf, ran); break;
     }
     finish_target(exec, Yf, Y);
     Compat::fence(exec, "KokkosMoE::Experts::Backward::forward_keep");
@@ -290,20 +262,7 @@ class Backward {
       }
     }
     GemmPath ran = GemmPath::generic;
-    auto const* table = host_table();
-    bool const bf16 = bf16_products();
-    // bf16 products per segment through KokkosMoE::gemm with bf16 operands
-    // and an FP32 result: the vendor GEMM (cuBLAS tensor cores), or the
-    // portable one when the deck asks for it.
-    bool const segment_bf16 = table == nullptr && options_.products == BackwardProducts::bf16 &&
-                              (options_.gemm_path == GemmPath::generic ||
-                               (have_vendor_gemm<ExecutionSpace, bf16_t, float>() &&
-                                (options_.gemm_path == GemmPath::automatic || options_.gemm_path == GemmPath::vendor)));
-    // FP32 weights and products with a vendor grouped GEMM (cuBLAS): every
-    // GEMM phase one grouped call over all segments.
-    bool const grouped_fp32 = table == nullptr && !segment_bf16 && std::is_same<WT, float>::value &&
-                              Impl::GroupedGemmVendor<ExecutionSpace, float>::available &&
-                              (options_.gemm_path == GemmPath::automatic || options_.gemm_path == GemmPath::vendor);
+    Route const how = route<WT>();
     if (n > 0) {
       auto dXf = float_target(exec, dX, n, d);
       // G and U: the saved ones, read in place, or recomputed below.
@@ -312,32 +271,38 @@ class Backward {
         G = const_float_matrix(saved.gate.data(), n, static_cast<std::size_t>(dff));
         U = const_float_matrix(saved.up.data(), n, static_cast<std::size_t>(dff));
       }
-      if (bf16) {
-        // bf16 operands on the pair kernels (BackwardProducts::bf16).
-        ledger.kernel_launches += host_backward(exec, *table, offs, w, as_bf16(exec, X, "x16"), as_bf16(exec, dY, "dy16"),
-                                                recompute, G, U, dXf, grads);
-      } else if (table) {
-        ledger.kernel_launches += host_backward(exec, *table, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"),
-                                                recompute, G, U, dXf, grads);
-      } else if (segment_bf16) {
-        ledger.kernel_launches += segment_backward<SlotWeights16>(exec, offs, w, as_bf16(exec, X, "x16"), as_bf16(exec, dY, "dy16"),
-                                                                  recompute, G, U, dXf, grads, ran);
-      } else if (grouped_fp32) {
-        ledger.kernel_launches +=
-            grouped_backward(exec, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"), recompute, G, U, dXf, grads);
-      } else {
-        ledger.kernel_launches += segment_backward<Weights32>(exec, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"),
-                                                              recompute, G, U, dXf, grads, ran);
+      switch (how) {
+        case Route::host_bf16:
+          ledger.kernel_launches += host_backward(exec, *host_table(), offs, w, as_bf16(exec, X, "x16"), as_bf16(exec, dY, "dy16"),
+                                                  recompute, G, U, dXf, grads);
+          break;
+        case Route::host_fp32:
+          ledger.kernel_launches += host_backward(exec, *host_table(), offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"),
+                                                  recompute, G, U, dXf, grads);
+          break;
+        case Route::segment_bf16:
+          ledger.kernel_launches += segment_backward<SlotWeights16>(exec, offs, w, as_bf16(exec, X, "x16"),
+                                                                    as_bf16(exec, dY, "dy16"), recompute, G, U, dXf, grads, ran);
+          break;
+        case Route::grouped_fp32:
+          ledger.kernel_launches +=
+              grouped_backward(exec, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"), recompute, G, U, dXf, grads);
+          break;
+        case Route::segment_fp32:
+          ledger.kernel_launches += segment_backward<Weights32>(exec, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"),
+                                                                recompute, G, U, dXf, grads, ran);
+          break;
       }
       finish_target(exec, dXf, dX);
     }
+    bool const on_host = how == Route::host_bf16 || how == Route::host_fp32;
     ledger.path = std::string("swiglu[") +
-                  (host_table()    ? std::string("host:") + host_table()->isa
-                   : grouped_fp32 ? "cublas:grouped"
+                  (on_host                           ? std::string("host:") + host_table()->isa
+                   : how == Route::grouped_fp32      ? "cublas:grouped"
                    : ran == GemmPath::kokkos_kernels ? "KokkosKernels"
                    : ran == GemmPath::vendor         ? "cublas"
                                                      : "generic") +
-                  (recompute ? ",recompute" : ",saved") + (bf16 || segment_bf16 ? ",bf16]" : "]");
+                  (recompute ? ",recompute" : ",saved") + (how == Route::host_bf16 || how == Route::segment_bf16 ? ",bf16]" : "]");
     Compat::fence(exec, "KokkosMoE::Experts::Backward::backward");
     return ledger;
   }
@@ -361,11 +326,31 @@ class Backward {
     }
   }
   Impl::HostKernelTable const* host_table() const { return host_table_for(options_.gemm_path); }
-  /// Whether the products take bf16 operands (BackwardProducts::bf16 on a
-  /// host table with the pair kernels).
-  bool bf16_products() const {
-    auto const* t = host_table();
-    return options_.products == BackwardProducts::bf16 && t != nullptr && t->dp[1] != nullptr;
+  /// Where a training step's products run, and with which operands.
+  enum class Route {
+    host_bf16,     ///< host micro-kernels, bf16 operands on the pair kernels
+    host_fp32,     ///< host micro-kernels, FP32 operands
+    segment_bf16,  ///< KokkosMoE::gemm per segment, bf16 operands, FP32 results
+    grouped_fp32,  ///< one grouped vendor GEMM (cuBLAS) per phase, FP32
+    segment_fp32   ///< KokkosMoE::gemm per segment, FP32 operands
+  };
+  /// The route for weights of type WT: the host micro-kernels on a host
+  /// execution space with the automatic GEMM path (bf16 operands where the
+  /// CPU has the pair kernels); else bf16 products segment by segment where
+  /// KokkosMoE::gemm takes bf16 operands on the deck's path (the vendor GEMM,
+  /// cuBLAS tensor cores; or the portable GEMM on the generic path); else
+  /// FP32 weights take the grouped vendor GEMM where there is one; else FP32
+  /// products segment by segment.
+  template <class WT>
+  Route route() const {
+    bool const want16 = options_.products == BackwardProducts::bf16;
+    bool const vendor_ok = options_.gemm_path == GemmPath::automatic || options_.gemm_path == GemmPath::vendor;
+    if (auto const* t = host_table()) return want16 && t->dp[1] != nullptr ? Route::host_bf16 : Route::host_fp32;
+    if (want16 && (options_.gemm_path == GemmPath::generic || (have_vendor_gemm<ExecutionSpace, bf16_t, float>() && vendor_ok)))
+      return Route::segment_bf16;
+    if (std::is_same<WT, float>::value && Impl::GroupedGemmVendor<ExecutionSpace, float>::available && vendor_ok)
+      return Route::grouped_fp32;
+    return Route::segment_fp32;
   }
 
   // The GEMM phases on the host micro-kernels, each one launch over every
@@ -414,15 +399,7 @@ class Backward {
     if (recompute) {
       auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
       auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
-      for (int q = 0; q < L; ++q) {
-        auto const r = segment(offs, q);
-        if (r.first == r.second) continue;
-        slot_weights(exec, w, q, W);
-        auto Xq = Kokkos::subview(X, r, Kokkos::ALL);
-        gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(Gr, r, Kokkos::ALL), options_.gemm_path);
-        gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(Ur, r, Kokkos::ALL), options_.gemm_path);
-        launches += 2;
-      }
+      launches += segment_gate_up<SW>(exec, offs, w, X, Gr, Ur, ran);
       G = Gr;
       U = Ur;
     }
@@ -484,28 +461,12 @@ class Backward {
       float const beta = options_.accumulate ? 1.0f : 0.0f;
       std::size_t const per = static_cast<std::size_t>(d) * static_cast<std::size_t>(dff);
       index_t launches = 0;
-      // One row-major product per non-empty segment q of rows [b, b + m).
-      auto phase = [&](char const* label, auto&& product) {
-        std::vector<Impl::RowProduct> list;
-        for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
-          index_t const b = offs[q], m = offs[q + 1] - offs[q];
-          if (m > 0) product(list, q, static_cast<std::size_t>(b), static_cast<int>(m));
-        }
-        launches += Vendor::run(exec, list, ws_, label);
-      };
-      auto rp = [](char ta, char tb, int M, int N, int K, float const* A, int lda, float const* B, int ldb, float* C, int ldc,
-                   float be) {
-        Impl::RowProduct p;
-        p.ta = ta, p.tb = tb, p.M = M, p.N = N, p.K = K, p.A = A, p.lda = lda, p.B = B, p.ldb = ldb, p.C = C, p.ldc = ldc, p.beta = be;
-        return p;
-      };
+      auto phase = [&](char const* label, auto&& product) { launches += grouped_phase(exec, offs, label, product); };
+      auto const rp = row_product;
       if (recompute) {
         auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
         auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
-        phase("KokkosMoE::Experts::backward[grouped,gate_up]", [&](auto& l, std::size_t q, std::size_t b, int m) {
-          l.push_back(rp('N', 'T', m, dff, d, X.data() + b * d, d, w.gate().data() + q * per, d, Gr.data() + b * dff, dff, 0.0f));
-          l.push_back(rp('N', 'T', m, dff, d, X.data() + b * d, d, w.up().data() + q * per, d, Ur.data() + b * dff, dff, 0.0f));
-        });
+        launches += grouped_gate_up(exec, offs, w, X, Gr, Ur);
         G = Gr;
         U = Ur;
       }
@@ -536,6 +497,115 @@ class Backward {
     }
   }
 
+  /// One grouped vendor call over the row-major products that `product`
+  /// appends per non-empty segment q of rows [b, b + m). Returns its launches.
+  template <class F>
+  index_t grouped_phase(ExecutionSpace const& exec, std::vector<index_t> const& offs, char const* label, F&& product) {
+    std::vector<Impl::RowProduct> list;
+    for (std::size_t q = 0; q + 1 < offs.size(); ++q) {
+      index_t const b = offs[q], m = offs[q + 1] - offs[q];
+      if (m > 0) product(list, q, static_cast<std::size_t>(b), static_cast<int>(m));
+    }
+    return Impl::GroupedGemmVendor<ExecutionSpace, float>::run(exec, list, ws_, label);
+  }
+  static Impl::RowProduct row_product(char ta, char tb, int M, int N, int K, float const* A, int lda, float const* B, int ldb,
+                                      float* C, int ldc, float beta) {
+    Impl::RowProduct p;
+    p.ta = ta, p.tb = tb, p.M = M, p.N = N, p.K = K, p.A = A, p.lda = lda, p.B = B, p.ldb = ldb, p.C = C, p.ldc = ldc, p.beta = beta;
+    return p;
+  }
+
+  // G = X W1^T and U = X W3^T (G and U [n, d_ff] FP32) on each route's
+  // GEMMs; each returns its launches.
+
+  /// One grouped vendor call over every segment (FP32 weights).
+  template <class WT>
+  index_t grouped_gate_up(ExecutionSpace const& exec, std::vector<index_t> const& offs, ExpertWeights<WT, MemorySpace> const& w,
+                          const_float_matrix const& X, float_matrix const& G, float_matrix const& U) {
+    int const d = w.d(), dff = w.d_ff();
+    std::size_t const per = static_cast<std::size_t>(d) * static_cast<std::size_t>(dff);
+    return grouped_phase(exec, offs, "KokkosMoE::Experts::training[grouped,gate_up]", [&](auto& l, std::size_t q, std::size_t b, int m) {
+      l.push_back(row_product('N', 'T', m, dff, d, X.data() + b * d, d, w.gate().data() + q * per, d, G.data() + b * dff, dff, 0.0f));
+      l.push_back(row_product('N', 'T', m, dff, d, X.data() + b * d, d, w.up().data() + q * per, d, U.data() + b * dff, dff, 0.0f));
+    });
+  }
+  /// KokkosMoE::gemm per segment with the operands of SW; `ran` the path taken.
+  template <class SW, class WT, class RM>
+  index_t segment_gate_up(ExecutionSpace const& exec, std::vector<index_t> const& offs, ExpertWeights<WT, MemorySpace> const& w,
+                          RM const& X, float_matrix const& G, float_matrix const& U, GemmPath& ran) {
+    index_t launches = 0;
+    SW W;
+    for (int q = 0; q < w.num_slots(); ++q) {
+      auto const r = segment(offs, q);
+      if (r.first == r.second) continue;
+      slot_weights(exec, w, q, W);
+      auto Xq = Kokkos::subview(X, r, Kokkos::ALL);
+      ran = gemm(exec, 'N', 'T', 1.0f, Xq, W.gate, 0.0f, Kokkos::subview(G, r, Kokkos::ALL), options_.gemm_path);
+      gemm(exec, 'N', 'T', 1.0f, Xq, W.up, 0.0f, Kokkos::subview(U, r, Kokkos::ALL), options_.gemm_path);
+      launches += 2;
+    }
+    return launches;
+  }
+  /// The host micro-kernels, X of type OT (float; bf16_t on the pair kernels).
+  template <class WT, class OT>
+  index_t host_gate_up(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
+                       ExpertWeights<WT, MemorySpace> const& w, Impl::Unmanaged2D<OT const, MemorySpace> const& X,
+                       float_matrix const& G, float_matrix const& U) {
+    int const d = w.d(), dff = w.d_ff();
+    return host_rows_by_weights(exec, table, offs, X.data(), d, w.gate(), G.data(), dff, true) +
+           host_rows_by_weights(exec, table, offs, X.data(), d, w.up(), U.data(), dff, true);
+  }
+
+  // The kept forward on each route: G and U into the saved activations,
+  // H = silu(G) * U (rounded to bf16 with bf16 operands), Y = H W2^T.
+
+  template <class WT, class OT>
+  void host_forward(ExecutionSpace const& exec, Impl::HostKernelTable const& table, std::vector<index_t> const& offs,
+                    ExpertWeights<WT, MemorySpace> const& w, Impl::Unmanaged2D<OT const, MemorySpace> const& X, float_matrix const& G,
+                    float_matrix const& U, float_matrix const& Y) {
+    constexpr bool b16 = std::is_same<OT, bf16_t>::value;
+    host_gate_up(exec, table, offs, w, X, G, U);
+    auto H = ws_.template matrix<OT>(exec, b16 ? "h16" : "h", offs.back(), static_cast<std::size_t>(w.d_ff()));
+    Impl::swiglu_rows(exec, G, U, H);
+    host_rows_by_weights(exec, table, offs, static_cast<OT const*>(H.data()), w.d_ff(), w.down(), Y.data(), w.d(), true);
+  }
+
+  template <class SW, class WT, class RM>
+  void segment_forward(ExecutionSpace const& exec, std::vector<index_t> const& offs, ExpertWeights<WT, MemorySpace> const& w,
+                       RM const& X, float_matrix const& G, float_matrix const& U, float_matrix const& Y, GemmPath& ran) {
+    using OT = typename RM::non_const_value_type;
+    constexpr bool b16 = std::is_same<OT, bf16_t>::value;
+    segment_gate_up<SW>(exec, offs, w, X, G, U, ran);
+    auto H = ws_.template matrix<OT>(exec, b16 ? "h16" : "h", offs.back(), static_cast<std::size_t>(w.d_ff()));
+    Impl::swiglu_rows(exec, G, U, H);
+    SW W;
+    for (int q = 0; q < w.num_slots(); ++q) {
+      auto const r = segment(offs, q);
+      if (r.first == r.second) continue;
+      slot_weights(exec, w, q, W);
+      gemm(exec, 'N', 'T', 1.0f, Kokkos::subview(H, r, Kokkos::ALL), W.down, 0.0f, Kokkos::subview(Y, r, Kokkos::ALL),
+           options_.gemm_path);
+    }
+  }
+
+  template <class WT>
+  void grouped_forward(ExecutionSpace const& exec, std::vector<index_t> const& offs, ExpertWeights<WT, MemorySpace> const& w,
+                       const_float_matrix const& X, float_matrix const& G, float_matrix const& U, float_matrix const& Y) {
+    if constexpr (Impl::GroupedGemmVendor<ExecutionSpace, float>::available && std::is_same<WT, float>::value) {
+      int const d = w.d(), dff = w.d_ff();
+      std::size_t const per = static_cast<std::size_t>(d) * static_cast<std::size_t>(dff);
+      grouped_gate_up(exec, offs, w, X, G, U);
+      auto H = ws_.template matrix<float>(exec, "h", offs.back(), static_cast<std::size_t>(dff));
+      Impl::swiglu_rows(exec, G, U, H);
+      grouped_phase(exec, offs, "KokkosMoE::Experts::training[grouped,down]", [&](auto& l, std::size_t q, std::size_t b, int m) {
+        l.push_back(row_product('N', 'T', m, d, dff, H.data() + b * dff, dff, w.down().data() + q * per, dff, Y.data() + b * d, d, 0.0f));
+      });
+    } else {
+      (void)exec, (void)offs, (void)w, (void)X, (void)G, (void)U, (void)Y;
+      KOKKOSMOE_REQUIRE(false, "Experts::forward_keep: no grouped vendor GEMM for FP32 weights here");
+    }
+  }
+
   /// The backward's GEMMs and element-wise kernel on the host micro-kernels
   /// with operands of type OT (float; bf16_t on the pair kernels): X and dY
   /// as OT rows, G and U the saved activations (recomputed when `recompute`).
@@ -553,8 +623,7 @@ class Backward {
     if (recompute) {
       auto Gr = ws_.template matrix<float>(exec, "g", n, dff);
       auto Ur = ws_.template matrix<float>(exec, "u", n, dff);
-      launches += host_rows_by_weights(exec, table, offs, X.data(), d, w.gate(), Gr.data(), dff, true);
-      launches += host_rows_by_weights(exec, table, offs, X.data(), d, w.up(), Ur.data(), dff, true);
+      launches += host_gate_up(exec, table, offs, w, X, Gr, Ur);
       G = Gr;
       U = Ur;
     }

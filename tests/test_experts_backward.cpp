@@ -440,11 +440,22 @@ double scaled_error(std::vector<double> const& a, std::vector<double> const& b) 
   return worst / std::max(rms, 1e-30);
 }
 
+/// Whether bf16 products run on this build with `path`: the host pair
+/// kernels (automatic path on a CPU that has them), a vendor GEMM with bf16
+/// operands (cuBLAS, automatic path on a device), or the portable GEMM
+/// (generic path).
+bool bf16_products_run(GemmPath path) {
+  if (path == GemmPath::generic) return true;
+  if (path != GemmPath::automatic) return false;
+  if constexpr (Experts::Impl::is_host_exec<Exec>())
+    return std::string(Experts::Impl::host_kernel_table().isa) != "generic" && Experts::Impl::host_kernel_table().dp[1] != nullptr;
+  else
+    return have_vendor_gemm<Exec, bf16_t, float>();
+}
+
 }  // namespace
 
 TEST_CASE("expert backward with bf16 products: the bf16 numerics, FP32 accumulation", "[experts][backward]") {
-  bool const host_pairs = Experts::Impl::is_host_exec<Exec>() && std::string(Experts::Impl::host_kernel_table().isa) != "generic" &&
-                          Experts::Impl::host_kernel_table().dp[1] != nullptr;
   // Odd d (a half pair at the end of every dY and X row), an empty and a
   // one-row segment; bf16 weights and rows, so that X, dY and W are exact.
   int const d = 37, dff = 50;
@@ -469,7 +480,7 @@ TEST_CASE("expert backward with bf16 products: the bf16 numerics, FP32 accumulat
     BackwardOptions o, o32;
     o.products = BackwardProducts::bf16;
     o.gemm_path = o32.gemm_path = path;
-    bool const pairs = path == GemmPath::generic || host_pairs;
+    bool const pairs = bf16_products_run(path);
     Backward<Exec, Mem> bw16(o), bw32(o32);
     RowMatrix<float> dX16("dX16", n, d), dX32("dX32", n, d), Y("Y", n, d);
     ExpertGradients<Mem> g16(w), g32(w);
@@ -503,6 +514,76 @@ TEST_CASE("expert backward with bf16 products: the bf16 numerics, FP32 accumulat
       for (int t = 0; t < 4; ++t) CHECK(e32[t] > 4 * e16[t]);
     }
   }
+}
+
+TEST_CASE("the kept forward with bf16 products: X and H rounded to bf16, FP32 sums, on every route", "[experts][backward]") {
+  // FP32 rows (rounded as the products read them), FP32 or bf16 weights, an
+  // odd d, an empty and a one-row segment.
+  int const d = 37, dff = 50;
+  std::vector<index_t> const counts{5, 0, 17, 1};
+  int const L = static_cast<int>(counts.size());
+  std::vector<index_t> offs(1, 0);
+  for (index_t c : counts) offs.push_back(offs.back() + c);
+  index_t const n = offs.back();
+  auto const offsets = offsets_of(counts);
+  std::mt19937 rng(31);
+  auto X = random_rows<float>(n, d, rng, 1.0f);
+  auto r16 = [](double v) { return static_cast<double>(to_float(to_bf16(static_cast<float>(v)))); };
+  auto rounded = [&](std::vector<double> v) {
+    for (double& x : v) x = r16(x);
+    return v;
+  };
+  auto check = [&](auto const& w, char const* weights) {
+    // fp64 of the bf16 operands: G, U and Y = r16(silu(G) U) W2^T.
+    auto const x = rounded(host_doubles(X)), w1 = rounded(host_doubles(w.gate())), w3 = rounded(host_doubles(w.up())),
+               w2 = rounded(host_doubles(w.down()));
+    std::vector<double> G(static_cast<std::size_t>(n) * dff), U(G.size()), Y(static_cast<std::size_t>(n) * d, 0.0);
+    for (int q = 0; q < L; ++q)
+      for (index_t r = offs[q]; r < offs[q + 1]; ++r)
+        for (int j = 0; j < dff; ++j) {
+          double g = 0, u = 0;
+          std::size_t const wj = (static_cast<std::size_t>(q) * dff + j) * d;
+          for (int k = 0; k < d; ++k) {
+            g += x[static_cast<std::size_t>(r) * d + k] * w1[wj + k];
+            u += x[static_cast<std::size_t>(r) * d + k] * w3[wj + k];
+          }
+          G[static_cast<std::size_t>(r) * dff + j] = g, U[static_cast<std::size_t>(r) * dff + j] = u;
+          double const h = r16(g / (1.0 + std::exp(-g)) * u);
+          for (int c = 0; c < d; ++c) Y[static_cast<std::size_t>(r) * d + c] += h * w2[(static_cast<std::size_t>(q) * d + c) * dff + j];
+        }
+    for (GemmPath path : {GemmPath::automatic, GemmPath::generic}) {
+      BackwardOptions o16, o32;
+      o16.products = BackwardProducts::bf16;
+      o16.gemm_path = o32.gemm_path = path;
+      Backward<Exec, Mem> bw16(o16), bw32(o32);
+      RowMatrix<float> Y16("Y16", n, d), Y32("Y32", n, d);
+      SavedActivations<Mem> s16, s32;
+      bw16.forward_keep(Exec(), w, X, offsets, Y16, s16);
+      bw32.forward_keep(Exec(), w, X, offsets, Y32, s32);
+      double const e16[] = {scaled_error(host_doubles(s16.gate), G), scaled_error(host_doubles(s16.up), U),
+                            scaled_error(host_doubles(Y16), Y)};
+      double const e32[] = {scaled_error(host_doubles(s32.gate), G), scaled_error(host_doubles(s32.up), U),
+                            scaled_error(host_doubles(Y32), Y)};
+      for (int t = 0; t < 3; ++t) {
+        INFO("gemm " << to_string(path) << ", " << weights << " weights, output " << t << " (G, U, Y): bf16 products " << e16[t] << ", FP32 products " << e32[t]);
+        if (bf16_products_run(path)) {
+          // Exact bf16 products summed in FP32 (G, U); Y also meets the odd
+          // bf16 rounding of H that FP32 sums put on the other side.
+          CHECK(e16[t] <= (t < 2 ? 1e-5 : 2e-3));
+          // FP32 products read X unrounded: further from the emulation.
+          CHECK(e32[t] > 4 * e16[t]);
+        } else {
+          CHECK(e16[t] == e32[t]);
+        }
+      }
+    }
+  };
+  ExpertWeights<float, Mem> w32("w32", {0, 1, 2, 3}, d, dff);
+  w32.randomize(Exec(), 17);
+  check(w32, "fp32");
+  ExpertWeights<bf16_t, Mem> w16("w16", {0, 1, 2, 3}, d, dff);
+  w16.randomize(Exec(), 19);
+  check(w16, "bf16");
 }
 
 TEST_CASE("host element-wise SwiGLU backward: fp64 values over the whole range, bf16 outputs rounded, dG over dH", "[experts][backward]") {
