@@ -78,6 +78,11 @@ TEST_CASE("gemm with bf16 operands accumulates in FP32", "[gemm][bf16]") {
   std::mt19937 rng(11);
   check_case<bf16_t, float>(37, 29, 300, 'N', 'T', GemmPath::automatic, rng);
   check_case<bf16_t, bf16_t>(16, 40, 64, 'N', 'T', GemmPath::generic, rng);
+  // k = 0: C = beta * C on every path.
+  for (GemmPath path : {GemmPath::automatic, GemmPath::generic}) {
+    check_case<bf16_t, float>(5, 7, 0, 'N', 'N', path, rng);
+    check_case<bf16_t, bf16_t>(6, 3, 0, 'T', 'T', path, rng);
+  }
 }
 
 TEST_CASE("gemm rejects mismatched extents and unavailable paths", "[gemm]") {
@@ -107,5 +112,7 @@ TEST_CASE("vendor gemm (cuBLAS in CUDA builds) agrees with the fp64 reference", 
       check_case<bf16_t, float>(37, 29, 300, ta, tb, GemmPath::vendor, rng);
       check_case<bf16_t, bf16_t>(65, 33, 129, ta, tb, GemmPath::vendor, rng);
       check_case<float, float>(13, 15, 17, ta, tb, GemmPath::vendor, rng);
+      check_case<bf16_t, float>(5, 7, 0, ta, tb, GemmPath::vendor, rng);
+      check_case<float, float>(6, 3, 0, ta, tb, GemmPath::vendor, rng);
     }
 }

@@ -106,12 +106,24 @@ void grouped_gemm(cublasHandle_t h, Kokkos::Cuda const& exec, GroupedProblems co
   Kokkos::deep_copy(exec, ptrs, host);
   auto const* arrays = reinterpret_cast<void* const*>(ptrs.data());
   Compat::ScopedRegion region(label);
-  cublas_check(cublasGemmGroupedBatchedEx(h, p.ta.data(), p.tb.data(), p.m.data(), p.n.data(), p.k.data(), p.alpha.data(),
-                                          const_cast<void const* const*>(arrays), ab_type, p.lda.data(),
-                                          const_cast<void const* const*>(arrays + g), ab_type, p.ldb.data(),
-                                          p.beta.data(), const_cast<void* const*>(arrays + 2 * g), c_type, p.ldc.data(), g,
-                                          p.size.data(), CUBLAS_COMPUTE_32F),
-               "cublasGemmGroupedBatchedEx");
+  cublasStatus_t const status =
+      cublasGemmGroupedBatchedEx(h, p.ta.data(), p.tb.data(), p.m.data(), p.n.data(), p.k.data(), p.alpha.data(),
+                                 const_cast<void const* const*>(arrays), ab_type, p.lda.data(),
+                                 const_cast<void const* const*>(arrays + g), ab_type, p.ldb.data(), p.beta.data(),
+                                 const_cast<void* const*>(arrays + 2 * g), c_type, p.ldc.data(), g, p.size.data(),
+                                 CUBLAS_COMPUTE_32F);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+    // A problem set the grouped kernels refuse (it is checked before any
+    // launch): the same problems one cublasGemmEx each, same types and
+    // accumulation, on the same stream.
+    Compat::ScopedRegion per_problem("KokkosMoE::Experts::grouped_gemm[TPL_CUBLAS,per-problem]");
+    for (std::size_t i = 0; i < static_cast<std::size_t>(g); ++i)
+      cublas_check(cublasGemmEx(h, p.ta[i], p.tb[i], p.m[i], p.n[i], p.k[i], &p.alpha[i], p.a[i], ab_type, p.lda[i], p.b[i], ab_type,
+                                p.ldb[i], &p.beta[i], p.c[i], c_type, p.ldc[i], CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                   "cublasGemmEx (grouped problems one by one)");
+  } else {
+    cublas_check(status, "cublasGemmGroupedBatchedEx");
+  }
   // The host arrays above are read when the call is enqueued; the mirror of
   // the pointers must outlive the copy, which deep_copy from pageable
   // memory completes before returning.

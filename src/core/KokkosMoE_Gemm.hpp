@@ -183,6 +183,16 @@ GemmPath gemm(Exec const& exec, char trans_a, char trans_b, float alpha, AV cons
                                                 "(cuBLAS in CUDA builds, KokkosMoE_ENABLE_CUBLAS)"));
   GemmPath const ran = use_vendor ? GemmPath::vendor : use_kk ? GemmPath::kokkos_kernels : GemmPath::generic;
   if (m == 0 || n == 0) return ran;
+  if (ak == 0) {
+    // An empty product: C = beta * C on every path (a BLAS may skip the
+    // call or read an empty operand's leading dimension as 0).
+    using CT = typename CV::non_const_value_type;
+    Kokkos::parallel_for("KokkosMoE::gemm[scale]", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>(exec, {0, 0}, {m, n}),
+                         KOKKOS_LAMBDA(std::size_t i, std::size_t j) {
+                           C(i, j) = from_float<CT>(beta == 0.0f ? 0.0f : beta * to_float(C(i, j)));
+                         });
+    return ran;
+  }
   if constexpr (vendor::available) {
     if (use_vendor) {
       vendor::run(exec, ta, tb, alpha, A, B, beta, C);
@@ -192,13 +202,6 @@ GemmPath gemm(Exec const& exec, char trans_a, char trans_b, float alpha, AV cons
 #ifdef KOKKOSMOE_HAVE_KOKKOSKERNELS
   if constexpr (all_float) {
     if (use_kk) {
-      if (ak == 0) {
-        // BLAS may read C for beta != 0 and skip the product; keep the
-        // contract C = beta * C explicitly.
-        Kokkos::parallel_for("KokkosMoE::gemm[scale]", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>(exec, {0, 0}, {m, n}),
-                             KOKKOS_LAMBDA(std::size_t i, std::size_t j) { C(i, j) = beta == 0.0f ? 0.0f : beta * C(i, j); });
-        return GemmPath::kokkos_kernels;
-      }
       char const ta_s[2] = {trans_a, '\0'}, tb_s[2] = {trans_b, '\0'};
       Compat::ScopedRegion region("KokkosMoE::gemm[KokkosKernels]");
 #if KOKKOSMOE_KOKKOS_MODERN

@@ -45,7 +45,11 @@ struct GemmVendor<Kokkos::Cuda, AV, BV, CV, std::enable_if_t<cublas_gemm_types<A
   static void run(Kokkos::Cuda const& exec, bool ta, bool tb, float alpha, AV const& a, BV const& b, float beta, CV const& c) {
     int const m = static_cast<int>(c.extent(0)), n = static_cast<int>(c.extent(1));
     int const k = static_cast<int>(ta ? a.extent(0) : a.extent(1));
-    auto ld = [](auto const& v) { return static_cast<int>(v.extent(0) <= 1 ? (v.extent(1) > 0 ? v.extent(1) : 1) : v.stride(0)); };
+    // The row stride, at least 1 (cuBLAS refuses a leading dimension of 0).
+    auto ld = [](auto const& v) {
+      std::size_t const s = v.extent(0) <= 1 ? v.extent(1) : static_cast<std::size_t>(v.stride(0));
+      return static_cast<int>(s > 0 ? s : 1);
+    };
     Compat::ScopedRegion region(std::is_same<A, float>::value ? "KokkosMoE::gemm[TPL_CUBLAS,float]"
                                                                : "KokkosMoE::gemm[TPL_CUBLAS,bf16]");
     cublas_check(cublasGemmEx(cublas_handle(exec), tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
