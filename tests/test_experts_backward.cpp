@@ -98,6 +98,16 @@ Kokkos::View<index_t*, Mem> offsets_of(std::vector<index_t> const& counts) {
   return offsets;
 }
 
+/// The same offsets on the host.
+std::vector<index_t> prefix_of(std::vector<index_t> const& counts) {
+  std::vector<index_t> offs(1, 0);
+  for (index_t c : counts) offs.push_back(offs.back() + c);
+  return offs;
+}
+
+/// v rounded to bf16 (nearest even), as a double.
+double round16(double v) { return static_cast<double>(to_float(to_bf16(static_cast<float>(v)))); }
+
 /// Three fp32 experts of width d and d_ff with random weights, rows in
 /// segments of the counts, random X and dY, and Y, dX1, dX2 for results.
 struct ThreeExperts {
@@ -133,8 +143,7 @@ void check_gradients(std::vector<index_t> const& counts, int d, int dff, bool ke
   for (int q = 0; q < L; ++q) experts.push_back(2 * q + 1);
   ExpertWeights<WT, Mem> w("w", experts, d, dff);
   w.randomize(Exec(), 5);
-  std::vector<index_t> offs(1, 0);
-  for (index_t c : counts) offs.push_back(offs.back() + c);
+  std::vector<index_t> const offs = prefix_of(counts);
   index_t const n = offs.back();
   auto const offsets = offsets_of(counts);
   auto X = random_rows<XT>(n, d, rng, 1.0f);
@@ -324,7 +333,6 @@ TEST_CASE("host micro-kernel GEMMs with bf16 rows on the pair kernels: NN, NT an
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   // A in bf16; B in FP32 with values off the bf16 grid (rounded to nearest
   // even as they are staged) or in bf16.
-  auto round16 = [](float x) { return static_cast<double>(to_float(to_bf16(x))); };
   bool any = false;
   for (auto const& isa : Experts::Impl::host_kernel_isas()) {
     auto const& table = Experts::Impl::host_kernel_table(isa);
@@ -398,7 +406,6 @@ struct Bf16Emulation {
 Bf16Emulation emulate_bf16_backward(int L, int d, int dff, std::vector<index_t> const& offs, std::vector<double> const& X,
                                     std::vector<double> const& dY, std::vector<double> const& W1, std::vector<double> const& W3,
                                     std::vector<double> const& W2) {
-  auto r16 = [](double v) { return static_cast<double>(to_float(to_bf16(static_cast<float>(v)))); };
   index_t const n = offs.back();
   Bf16Emulation e;
   e.dX.assign(static_cast<std::size_t>(n) * d, 0.0);
@@ -418,8 +425,8 @@ Bf16Emulation emulate_bf16_backward(int L, int d, int dff, std::vector<index_t> 
           dh += dy[k] * W2[(static_cast<std::size_t>(q) * d + k) * dff + j];
         }
         double const s = 1.0 / (1.0 + std::exp(-g));
-        double const h16 = r16(g * s * uu);
-        double const dg16 = r16(dh * uu * s * (1.0 + g * (1.0 - s))), du16 = r16(dh * g * s);
+        double const h16 = round16(g * s * uu);
+        double const dg16 = round16(dh * uu * s * (1.0 + g * (1.0 - s))), du16 = round16(dh * g * s);
         for (int k = 0; k < d; ++k) {
           e.dX[static_cast<std::size_t>(r) * d + k] += dg16 * W1[wj + k] + du16 * W3[wj + k];
           e.gate[wj + k] += dg16 * x[k];
@@ -463,8 +470,7 @@ TEST_CASE("expert backward with bf16 products: the bf16 numerics, FP32 accumulat
   int const L = static_cast<int>(counts.size());
   ExpertWeights<bf16_t, Mem> w("w", {0, 1, 2, 3}, d, dff);
   w.randomize(Exec(), 13);
-  std::vector<index_t> offs(1, 0);
-  for (index_t c : counts) offs.push_back(offs.back() + c);
+  std::vector<index_t> const offs = prefix_of(counts);
   index_t const n = offs.back();
   auto const offsets = offsets_of(counts);
   std::mt19937 rng(29);
@@ -522,19 +528,17 @@ TEST_CASE("the kept forward with bf16 products: X and H rounded to bf16, FP32 su
   int const d = 37, dff = 50;
   std::vector<index_t> const counts{5, 0, 17, 1};
   int const L = static_cast<int>(counts.size());
-  std::vector<index_t> offs(1, 0);
-  for (index_t c : counts) offs.push_back(offs.back() + c);
+  std::vector<index_t> const offs = prefix_of(counts);
   index_t const n = offs.back();
   auto const offsets = offsets_of(counts);
   std::mt19937 rng(31);
   auto X = random_rows<float>(n, d, rng, 1.0f);
-  auto r16 = [](double v) { return static_cast<double>(to_float(to_bf16(static_cast<float>(v)))); };
   auto rounded = [&](std::vector<double> v) {
-    for (double& x : v) x = r16(x);
+    for (double& x : v) x = round16(x);
     return v;
   };
   auto check = [&](auto const& w, char const* weights) {
-    // fp64 of the bf16 operands: G, U and Y = r16(silu(G) U) W2^T.
+    // fp64 of the bf16 operands: G, U and Y = round16(silu(G) U) W2^T.
     auto const x = rounded(host_doubles(X)), w1 = rounded(host_doubles(w.gate())), w3 = rounded(host_doubles(w.up())),
                w2 = rounded(host_doubles(w.down()));
     std::vector<double> G(static_cast<std::size_t>(n) * dff), U(G.size()), Y(static_cast<std::size_t>(n) * d, 0.0);
@@ -548,7 +552,7 @@ TEST_CASE("the kept forward with bf16 products: X and H rounded to bf16, FP32 su
             u += x[static_cast<std::size_t>(r) * d + k] * w3[wj + k];
           }
           G[static_cast<std::size_t>(r) * dff + j] = g, U[static_cast<std::size_t>(r) * dff + j] = u;
-          double const h = r16(g / (1.0 + std::exp(-g)) * u);
+          double const h = round16(g / (1.0 + std::exp(-g)) * u);
           for (int c = 0; c < d; ++c) Y[static_cast<std::size_t>(r) * d + c] += h * w2[(static_cast<std::size_t>(q) * d + c) * dff + j];
         }
     for (GemmPath path : {GemmPath::automatic, GemmPath::generic}) {
