@@ -204,11 +204,11 @@ class Backward {
     float_matrix const U(saved.up.data(), static_cast<std::size_t>(n), static_cast<std::size_t>(dff));
     GemmPath ran = GemmPath::generic;
     switch (route<WT>()) {
-      case Route::host_bf16: host_forward(exec, *host_table(), offs, w, as_bf16(exec, X, "x16"), G, U, Yf); break;
-      case Route::host_fp32: host_forward(exec, *host_table(), offs, w, as_float(exec, X, "x"), G, U, Yf); break;
-      case Route::segment_bf16: segment_forward<SlotWeights16>(exec, offs, w, as_bf16(exec, X, "x16"), G, U, Yf, ran); break;
-      case Route::grouped_fp32: grouped_forward(exec, offs, w, as_float(exec, X, "x"), G, U, Yf); break;
-      case Route::segment_fp32: segment_forward<Weights32>(exec, offs, w, as_float(exec, X, "x"), G, U, Yf, ran); break;
+      case Route::host_bf16: host_forward(exec, *host_table(), offs, w, as_rows<bf16_t>(exec, X, "x16"), G, U, Yf); break;
+      case Route::host_fp32: host_forward(exec, *host_table(), offs, w, as_rows<float>(exec, X, "x"), G, U, Yf); break;
+      case Route::segment_bf16: segment_forward<SlotWeights16>(exec, offs, w, as_rows<bf16_t>(exec, X, "x16"), G, U, Yf, ran); break;
+      case Route::grouped_fp32: grouped_forward(exec, offs, w, as_rows<float>(exec, X, "x"), G, U, Yf); break;
+      case Route::segment_fp32: segment_forward<Weights32>(exec, offs, w, as_rows<float>(exec, X, "x"), G, U, Yf, ran); break;
     }
     finish_target(exec, Yf, Y);
     Compat::fence(exec, "KokkosMoE::Experts::Backward::forward_keep");
@@ -273,23 +273,23 @@ class Backward {
       }
       switch (how) {
         case Route::host_bf16:
-          ledger.kernel_launches += host_backward(exec, *host_table(), offs, w, as_bf16(exec, X, "x16"), as_bf16(exec, dY, "dy16"),
+          ledger.kernel_launches += host_backward(exec, *host_table(), offs, w, as_rows<bf16_t>(exec, X, "x16"), as_rows<bf16_t>(exec, dY, "dy16"),
                                                   recompute, G, U, dXf, grads);
           break;
         case Route::host_fp32:
-          ledger.kernel_launches += host_backward(exec, *host_table(), offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"),
+          ledger.kernel_launches += host_backward(exec, *host_table(), offs, w, as_rows<float>(exec, X, "x"), as_rows<float>(exec, dY, "dy"),
                                                   recompute, G, U, dXf, grads);
           break;
         case Route::segment_bf16:
-          ledger.kernel_launches += segment_backward<SlotWeights16>(exec, offs, w, as_bf16(exec, X, "x16"),
-                                                                    as_bf16(exec, dY, "dy16"), recompute, G, U, dXf, grads, ran);
+          ledger.kernel_launches += segment_backward<SlotWeights16>(exec, offs, w, as_rows<bf16_t>(exec, X, "x16"),
+                                                                    as_rows<bf16_t>(exec, dY, "dy16"), recompute, G, U, dXf, grads, ran);
           break;
         case Route::grouped_fp32:
           ledger.kernel_launches +=
-              grouped_backward(exec, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"), recompute, G, U, dXf, grads);
+              grouped_backward(exec, offs, w, as_rows<float>(exec, X, "x"), as_rows<float>(exec, dY, "dy"), recompute, G, U, dXf, grads);
           break;
         case Route::segment_fp32:
-          ledger.kernel_launches += segment_backward<Weights32>(exec, offs, w, as_float(exec, X, "x"), as_float(exec, dY, "dy"),
+          ledger.kernel_launches += segment_backward<Weights32>(exec, offs, w, as_rows<float>(exec, X, "x"), as_rows<float>(exec, dY, "dy"),
                                                                 recompute, G, U, dXf, grads, ran);
           break;
       }
@@ -768,25 +768,15 @@ class Backward {
     return offs;
   }
 
-  template <class V>
-  const_float_matrix as_float(ExecutionSpace const& exec, V const& v, char const* label) {
-    if constexpr (std::is_same<typename V::non_const_value_type, float>::value) {
-      return const_float_matrix(v.data(), v.extent(0), v.extent(1));
+  /// The rows as T (float or bf16_t): in place, or converted (bf16: rounded
+  /// to nearest even) into a buffer.
+  template <class T, class V>
+  Impl::Unmanaged2D<T const, MemorySpace> as_rows(ExecutionSpace const& exec, V const& v, char const* label) {
+    if constexpr (std::is_same<typename V::non_const_value_type, T>::value) {
+      return Impl::Unmanaged2D<T const, MemorySpace>(v.data(), v.extent(0), v.extent(1));
     } else {
-      auto buf = ws_.template matrix<float>(exec, label, static_cast<index_t>(v.extent(0)), v.extent(1));
+      auto buf = ws_.template matrix<T>(exec, label, static_cast<index_t>(v.extent(0)), v.extent(1));
       Impl::convert_matrix(exec, v, buf, "KokkosMoE::Experts::Backward[convert rows]");
-      return buf;
-    }
-  }
-
-  /// The rows as bf16: in place, or rounded into a buffer.
-  template <class V>
-  const_bf16_matrix as_bf16(ExecutionSpace const& exec, V const& v, char const* label) {
-    if constexpr (std::is_same<typename V::non_const_value_type, bf16_t>::value) {
-      return const_bf16_matrix(v.data(), v.extent(0), v.extent(1));
-    } else {
-      auto buf = ws_.template matrix<bf16_t>(exec, label, static_cast<index_t>(v.extent(0)), v.extent(1));
-      Impl::convert_matrix(exec, v, buf, "KokkosMoE::Experts::Backward[round rows]");
       return buf;
     }
   }
