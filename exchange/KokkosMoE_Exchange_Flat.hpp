@@ -118,7 +118,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     h.pending.reset();
     int const d = arrived.width;
     agree(ep.comm(), problem_of([&] {
-            h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
+            h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_, &this->work_);
             this->set_expert_rows(exec, h, h.repack.slot_counts, d);
             repack(exec, h.repack, arrived, h.expert_rows);
           }),

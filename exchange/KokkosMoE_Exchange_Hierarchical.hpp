@@ -444,8 +444,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     // Rows per (source, destination node); rows for this node other than
     // this rank's own are misrouted.
     std::vector<index_t> const seg = Impl::offsets_of(st.s1.recv_counts);
-    auto seg_d = Impl::device_vector<MS>(seg, "KokkosMoE::HierarchicalExchange::s1_segments");
-    Kokkos::View<index_t*, MS> hist("KokkosMoE::HierarchicalExchange::s2_hist", static_cast<std::size_t>(S) * nodes);
+    auto seg_d = scratch_copy(&this->work_, exec, "KokkosMoE::HierarchicalExchange::s1_segments", seg);
+    auto const hist = zeroed_counts(exec, "KokkosMoE::HierarchicalExchange::s2_hist", static_cast<index_t>(S) * nodes);
     index_t misrouted = 0;
     Kokkos::parallel_reduce(
         "KokkosMoE::HierarchicalExchange::stage2_runs", Kokkos::RangePolicy<Exec>(exec, 0, n1),
@@ -544,9 +544,9 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     int const M = max_node_;
     int const R = static_cast<int>(st.s2.recv_counts.size());  // relay peers (0 for ranks that are not relays)
     std::vector<index_t> const seg = Impl::offsets_of(st.s2.recv_counts);
-    auto seg_d = Impl::device_vector<MS>(seg.empty() ? std::vector<index_t>{0} : seg, "KokkosMoE::HierarchicalExchange::s2_segments");
+    auto seg_d = scratch_copy(&this->work_, exec, "KokkosMoE::HierarchicalExchange::s2_segments", seg.empty() ? std::vector<index_t>{0} : seg);
     // Rows per (source relay, origin's slot in its node, final rank's slot).
-    Kokkos::View<index_t*, MS> hist("KokkosMoE::HierarchicalExchange::s3_hist", static_cast<std::size_t>(std::max(R, 1)) * M * S);
+    auto const hist = zeroed_counts(exec, "KokkosMoE::HierarchicalExchange::s3_hist", static_cast<index_t>(std::max(R, 1)) * M * S);
     index_t foreign = 0;
     bool const direct = st.direct;  // a relay's own rows came in stage 2
     Kokkos::parallel_reduce(
@@ -623,8 +623,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     sort_by_origin(exec, st, h, fin_meta, nf);
     auto cf = st.canonical_from;
     agree(comms.ep().comm(), problem_of([&] {
-            set_final_pieces(st);  // checks the own rows against their return runs: a failure fails every rank
-            h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_);
+            set_final_pieces(exec, st);  // checks the own rows against their return runs: a failure fails every rank
+            h.repack = make_repack_plan(exec, h.arrived_meta, this->placement_, this->me_, &this->work_);
             this->set_expert_rows(exec, h, h.repack.slot_counts, d);
             gather_expert_rows(exec, PayloadParts<MS>{r3, r1, r2, {}}, st.final_pieces, cf, h.repack.perm, h.expert_rows);
           }),
@@ -637,7 +637,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
   /// kept rows of the rank's own stage-1 segment go to the return buffer
   /// (combine_pieces), and the rest of that segment (a relay's own transit
   /// rows) is copied there after the reverse of stage 2.
-  void set_final_pieces(State& st) const {
+  void set_final_pieces(Exec const& exec, State& st) {
     std::vector<FinalPiece> pieces, back;
     int const self = this->comms_->node_local().my_slot();
     // The own segment of the stage-1 arrivals, run by run to the return
@@ -726,8 +726,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     std::sort(back.begin(), back.end(), by_first);
     if (pieces.empty()) pieces.push_back({0, 0, 0});  // never matches: every position is its own
     if (back.empty()) back.push_back({0, 0, 0});
-    st.final_pieces = Impl::device_vector<MS>(pieces, "KokkosMoE::HierarchicalExchange::final_pieces");
-    st.combine_pieces = Impl::device_vector<MS>(back, "KokkosMoE::HierarchicalExchange::combine_pieces");
+    st.final_pieces = scratch_copy(&this->work_, exec, "KokkosMoE::HierarchicalExchange::final_pieces", pieces);
+    st.combine_pieces = scratch_copy(&this->work_, exec, "KokkosMoE::HierarchicalExchange::combine_pieces", back);
   }
 
   /// Where final-buffer position f's row is (a PayloadParts row: part 0 the
@@ -1016,9 +1016,9 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     int const S = comms.node_local().size();
     int const M = max_node_;
     std::vector<index_t> const seg = Impl::offsets_of(st.s1.recv_counts);
-    auto seg_d = Impl::device_vector<MS>(seg, "KokkosMoE::HierarchicalExchange::s1_segments");
+    auto seg_d = scratch_copy(&this->work_, exec, "KokkosMoE::HierarchicalExchange::s1_segments", seg);
     // Rows per (source, destination node, for that node's relay or not).
-    Kokkos::View<index_t*, MS> hist("KokkosMoE::HierarchicalExchange::s2_hist", static_cast<std::size_t>(S) * nodes * 2);
+    auto const hist = zeroed_counts(exec, "KokkosMoE::HierarchicalExchange::s2_hist", static_cast<index_t>(S) * nodes * 2);
     auto r1_meta = f.r1_meta;
     index_t misrouted = 0;
     Kokkos::parallel_reduce(
@@ -1181,8 +1181,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       a2.push_back(at[i]);
       f2.push_back(from[i]);
     }
-    auto piece_at = Impl::device_vector<MS>(a2, "KokkosMoE::HierarchicalExchange::piece_at");
-    auto piece_from = Impl::device_vector<MS>(f2, "KokkosMoE::HierarchicalExchange::piece_from");
+    auto piece_at = scratch_copy(&this->work_, exec, "KokkosMoE::HierarchicalExchange::piece_at", a2);
+    auto piece_from = scratch_copy(&this->work_, exec, "KokkosMoE::HierarchicalExchange::piece_from", f2);
     int const K = static_cast<int>(a2.size());
     index_t const lo = a2.front(), hi = a2.back();
     auto perm = plan.perm;
@@ -1388,9 +1388,9 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     Kokkos::parallel_for(
         "KokkosMoE::HierarchicalExchange::origin_keys", Kokkos::RangePolicy<Exec>(exec, 0, nf),
         KOKKOS_LAMBDA(index_t p) { keyc(p) = ep_slot(fin_meta(p).origin_rank); });
-    st.canonical_from = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::canonical_from"), nf);
-    index_view origin_offsets("KokkosMoE::Hier::origin_offsets", P + 1);
-    stable_counting_sort(exec, keyc, P, st.canonical_from, origin_offsets, "KokkosMoE::HierarchicalExchange::canonical");
+    st.canonical_from = scratch<index_view>(&this->work_, exec, "KokkosMoE::HierarchicalExchange::canonical_from", nf);
+    auto const origin_offsets = scratch<index_view>(&this->work_, exec, "KokkosMoE::HierarchicalExchange::origin_offsets", P + 1);
+    stable_counting_sort(exec, keyc, P, st.canonical_from, origin_offsets, "KokkosMoE::HierarchicalExchange::canonical", &this->work_);
     h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", nf);
     gather_records(exec, fin_meta, st.canonical_from, h.arrived_meta, "KokkosMoE::HierarchicalExchange::canonical_meta");
     auto const ho = Impl::host_vector(origin_offsets);
@@ -1398,14 +1398,21 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     for (int p = 0; p < P; ++p) h.recv_counts[p] = ho[p + 1] - ho[p];
   }
 
+  /// n zeroed counters from the workspace.
+  index_view zeroed_counts(Exec const& exec, char const* label, index_t n) {
+    auto const v = scratch<index_view>(&this->work_, exec, label, n);
+    Kokkos::deep_copy(exec, v, index_t(0));
+    return v;
+  }
+
   /// Stable sort of a stage's rows by destination key; the record's send
   /// counts are the key buckets.
   StageRecord<MS> sort_stage(Exec const& exec, Kokkos::View<int*, MS> const& keys, int num_keys, char const* stage_name) {
     StageRecord<MS> s;
     s.name = stage_name;
-    s.send_perm = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Hier::perm"), keys.extent(0));
-    index_view off("KokkosMoE::Hier::offsets", num_keys + 1);
-    stable_counting_sort(exec, keys, num_keys, s.send_perm, off, "KokkosMoE::HierarchicalExchange::sort");
+    s.send_perm = scratch<index_view>(&this->work_, exec, "KokkosMoE::HierarchicalExchange::sort::perm", static_cast<index_t>(keys.extent(0)));
+    auto const off = scratch<index_view>(&this->work_, exec, "KokkosMoE::HierarchicalExchange::sort::offsets", num_keys + 1);
+    stable_counting_sort(exec, keys, num_keys, s.send_perm, off, "KokkosMoE::HierarchicalExchange::sort", &this->work_);
     auto const ho = Impl::host_vector(off);
     s.send_counts.resize(static_cast<std::size_t>(num_keys));
     for (int k = 0; k < num_keys; ++k) s.send_counts[k] = ho[k + 1] - ho[k];

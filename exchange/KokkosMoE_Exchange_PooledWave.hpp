@@ -256,15 +256,17 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::dest_keys", Kokkos::RangePolicy<Exec>(exec, 0, A), KOKKOS_LAMBDA(index_t a) { dkey(a) = ep_slot(dest(a)); });
     auto by_dest = this->work_.template vector<index_t>(exec, "by_dest", A);
-    index_view dest_off("KokkosMoE::PooledWave::dest_off", P + 1);
-    stable_counting_sort(exec, dkey, P, by_dest, dest_off, "KokkosMoE::PooledWave::by_dest");
-    st.pool_route = Kokkos::View<index_t**, Kokkos::LayoutRight, MS>(
-        Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::pool_route"), P, Rs);
+    auto const dest_off = scratch<index_view>(&this->work_, exec, "KokkosMoE::PooledWave::dest_off", P + 1);
+    stable_counting_sort(exec, dkey, P, by_dest, dest_off, "KokkosMoE::PooledWave::by_dest", &this->work_);
+    st.pool_route = scratch<Kokkos::View<index_t**, Kokkos::LayoutRight, MS>>(&this->work_, exec, "KokkosMoE::PooledWave::pool_route", P,
+                                                                              static_cast<std::size_t>(Rs));
     Kokkos::deep_copy(exec, st.pool_route, -1);
-    st.position = index_view(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::position"), A);
+    st.position = scratch<index_view>(&this->work_, exec, "KokkosMoE::PooledWave::position", A);
     auto pool_route = st.pool_route;
     auto position = st.position;
-    Kokkos::View<std::int64_t[2], MS> counts("KokkosMoE::PooledWave::wave_counts");  // routes of the wave, sender drops
+    // Routes of the wave, sender drops.
+    auto const counts = scratch<Kokkos::View<std::int64_t*, MS>>(&this->work_, exec, "KokkosMoE::PooledWave::wave_counts", 2);
+    Kokkos::deep_copy(exec, counts, std::int64_t(0));
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::stripe", Kokkos::RangePolicy<Exec>(exec, 0, A), KOKKOS_LAMBDA(index_t p) {
           index_t const a = by_dest(p);
@@ -279,8 +281,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           else
             Kokkos::atomic_add(&counts(1), std::int64_t(1));
         });
-    auto hc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), counts);
-    ledger.dispatch.sender_drops = hc(1);
+    auto const hc = copy_to_host(exec, counts);
+    ledger.dispatch.sender_drops = hc[1];
     // Pool rows with a route per destination: positions wave, wave + W, ...
     // of its routes, up to the pool.
     auto const ho = Impl::host_vector(dest_off);
@@ -290,7 +292,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
       index_t const in_wave = n > wave ? (n - wave + W - 1) / W : 0;
       st.sent_rows[static_cast<std::size_t>(q)] = in_wave < Rs ? in_wave : Rs;
     }
-    return hc(0);
+    return hc[0];
   }
 
   /// Pool row r of a send buffer, or of the receive buffer for this rank's
@@ -378,9 +380,11 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     index_t const Rs = st.shapes.sender_pool_rows;
     std::vector<std::int64_t> useful(static_cast<std::size_t>(P), 0);
     if (!back) {
-      auto const hp = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.pool_route);
+      // pool_route is contiguous (a leading-extent range of a row-major buffer).
+      auto const hp = Impl::host_vector(
+          Kokkos::View<index_t const*, MS, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(st.pool_route.data(), st.pool_route.size()));
       for (int q = 0; q < P; ++q)
-        for (index_t j = 0; j < Rs; ++j) useful[static_cast<std::size_t>(q)] += hp(q, j) >= 0 ? 1 : 0;
+        for (index_t j = 0; j < Rs; ++j) useful[static_cast<std::size_t>(q)] += hp[static_cast<std::size_t>(q * Rs + j)] >= 0 ? 1 : 0;
     } else {
       // What returns: one row per received route that was kept.
       auto const hc = Impl::host_vector(st.compact_of);
@@ -423,7 +427,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           ekey(x) = id < L ? id : L;
         });
     // Rows with a route per source pool: the prefix before the first empty id.
-    index_view carried("KokkosMoE::PooledWave::received_rows", P);
+    auto const carried = scratch<index_view>(&this->work_, exec, "KokkosMoE::PooledWave::received_rows", P);
     Kokkos::parallel_for(
         "KokkosMoE::PooledWave::received_rows", Kokkos::RangePolicy<Exec>(exec, 0, P), KOKKOS_LAMBDA(int src) {
           index_t j = 0;
@@ -432,8 +436,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
         });
     st.received_rows = Impl::host_vector(carried);
     auto by_expert = this->work_.template vector<index_t>(exec, "by_expert", n_pool);
-    index_view e_off("KokkosMoE::PooledWave::e_off", L + 2);
-    stable_counting_sort(exec, ekey, L + 1, by_expert, e_off, "KokkosMoE::PooledWave::by_expert");
+    auto const e_off = scratch<index_view>(&this->work_, exec, "KokkosMoE::PooledWave::e_off", L + 2);
+    stable_counting_sort(exec, ekey, L + 1, by_expert, e_off, "KokkosMoE::PooledWave::by_expert", &this->work_);
     auto const he = Impl::host_vector(e_off);
     Arrivals out;
     out.ids = ekey;
@@ -444,11 +448,10 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
       out.drops += n - kept;
       out.offsets[q + 1] = out.offsets[q] + kept;
     }
-    auto offsets_d = Impl::device_vector<MS>(out.offsets, "KokkosMoE::PooledWave::offsets");
+    auto offsets_d = scratch_copy(&this->work_, exec, "KokkosMoE::PooledWave::offsets", out.offsets);
     index_t const used = out.offsets[static_cast<std::size_t>(L)];
-    st.compact_of = index_view("KokkosMoE::PooledWave::compact_of", n_pool);
-    h.arrival_key = Kokkos::View<std::int64_t*, MS>(
-        Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::PooledWave::arrival_key"), used);
+    st.compact_of = scratch<index_view>(&this->work_, exec, "KokkosMoE::PooledWave::compact_of", n_pool);
+    h.arrival_key = scratch<Kokkos::View<std::int64_t*, MS>>(&this->work_, exec, "KokkosMoE::PooledWave::arrival_key", used);
     Kokkos::deep_copy(exec, st.compact_of, -1);
     auto compact_of = st.compact_of;
     auto arrival_key = h.arrival_key;
@@ -554,8 +557,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           key(x) = q * (L + 1) + (a >= 0 ? local_id(slot(a)) : L);
         });
     auto by_id = this->work_.template vector<index_t>(exec, "by_id", n_pool);
-    index_view id_off("KokkosMoE::PooledWave::id_off", static_cast<index_t>(P) * (L + 1) + 1);
-    stable_counting_sort(exec, key, P * (L + 1), by_id, id_off, "KokkosMoE::PooledWave::by_id");
+    auto const id_off = scratch<index_view>(&this->work_, exec, "KokkosMoE::PooledWave::id_off", static_cast<index_t>(P) * (L + 1) + 1);
+    stable_counting_sort(exec, key, P * (L + 1), by_id, id_off, "KokkosMoE::PooledWave::by_id", &this->work_);
     // The headers first (they travel while the rows are packed); from them
     // a receiver knows where every row of the wave goes.
     index_t const span = pooled_wave_id_span(Rs, L);

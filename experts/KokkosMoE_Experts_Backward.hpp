@@ -195,8 +195,9 @@ class Backward {
     std::vector<index_t> const offs = host_offsets(exec, w, X, offsets, Y, "forward_keep");
     index_t const n = offs.back();
     int const d = w.d(), dff = w.d_ff();
-    saved.gate = RowMatrix<float, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::saved_gate"), n, dff);
-    saved.up = RowMatrix<float, MemorySpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::saved_up"), n, dff);
+    // From the workspace: reused by a later step once these are released.
+    saved.gate = ws_.template matrix<float>(exec, "saved_gate", n, static_cast<std::size_t>(dff));
+    saved.up = ws_.template matrix<float>(exec, "saved_up", n, static_cast<std::size_t>(dff));
     if (n == 0) return;
     Compat::ScopedRegion region("KokkosMoE::Experts::forward_keep");
     auto Yf = float_target(exec, Y, n, d);

@@ -385,9 +385,9 @@ class Runner {
     index_t const n = offs.back();
     using weights_view = typename ExpertWeights<WT, MemorySpace>::tensor_type;
     int const tile_rows = table.max_vectors * table.vector_length;
-    std::vector<Impl::Tile> const tiles = Impl::make_tiles(offs, tile_rows);
-    Kokkos::View<Impl::Tile*, Kokkos::HostSpace> tv("KokkosMoE::Experts::Runner::tiles", tiles.size());
-    for (std::size_t i = 0; i < tiles.size(); ++i) tv(i) = tiles[i];
+    std::vector<Impl::Tile> tiles = Impl::make_tiles(offs, tile_rows);
+    // The host kernels read the tile table where it is (fenced below).
+    Kokkos::View<Impl::Tile*, Kokkos::HostSpace> const tv(tiles.data(), tiles.size());
     int groups = options_.host_column_groups;
     if (groups <= 0) {
       int const conc = exec.concurrency();
@@ -425,6 +425,7 @@ class Runner {
     bool const dot = decltype(p1)::dp_types && table.dp[1] != nullptr;
     ledger.path = std::string("grouped[host:") + table.isa + (dot ? ",bf16dot" : "") +
                   (decoded == n ? ",decode" : decoded > 0 ? ",tiled+decode" : "") + "]";
+    Compat::fence(exec, "KokkosMoE::Experts::Runner::grouped: tile table");
   }
 
   /// Grouped kernel over segments `offs` of rows X -> Y.
@@ -466,13 +467,8 @@ class Runner {
     using tile_view = Kokkos::View<Impl::Tile*, MemorySpace>;
     constexpr int MT = Impl::PortableGroupedPhase<ExecutionSpace, XV, weights_view, decltype(H), tile_view, 1>::MT;
     std::vector<Impl::Tile> const tiles = Impl::make_tiles(offs, MT);
-    tile_view tv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::Experts::Runner::tiles"), tiles.size());
-    {
-      Kokkos::View<Impl::Tile*, Kokkos::HostSpace> ht("KokkosMoE::Experts::Runner::tiles_host", tiles.size());
-      for (std::size_t i = 0; i < tiles.size(); ++i) ht(i) = tiles[i];
-      Kokkos::deep_copy(exec, tv, ht);
-      Compat::fence(exec, "KokkosMoE::Experts::Runner::grouped: tile table");
-    }
+    auto const tv = ws_.template get<tile_view>(exec, "tiles", static_cast<index_t>(tiles.size()));
+    copy_from_host(exec, tiles, tv);
     Impl::PortableGroupedPhase<ExecutionSpace, XV, weights_view, decltype(H), tile_view, 1> p1;
     p1.in = X;
     p1.w0 = w.gate();

@@ -66,10 +66,17 @@ TEST_CASE("workspace: buffers are reused only when nobody else holds them", "[co
   CHECK(ws.buffers("rows") == 2);
   e = {};
   e2 = {};
-  // Another width or element type is another shape.
+  // Another width or element type is another shape, with buffers of its
+  // own: the old shape's stay for its next request.
   auto f = ws.matrix<float>(exec, "rows", 12, 5);
   CHECK(f.extent(1) == 5);
-  CHECK(ws.buffers("rows") == 1);  // the free ones of the old shape went
+  CHECK(ws.buffers("rows") == 3);
+  auto f4 = ws.matrix<float>(exec, "rows", 12, 4);
+  CHECK(f4.data() == grown);
+  auto fi = ws.matrix<int>(exec, "rows", 2, 4);
+  CHECK(ws.buffers("rows") == 4);
+  f4 = {};
+  fi = {};
   auto g = ws.vector<index_t>(exec, "ids", 7);
   CHECK(g.extent(0) == 7);
   CHECK(ws.size() == 2);

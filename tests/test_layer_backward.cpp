@@ -275,6 +275,54 @@ TEST_CASE("backward after an overlapped or chunked forward equals the serial one
   }
 }
 
+TEST_CASE("repeated steps allocate nothing: forward under every schedule, and forward + backward", "[layer][backward][memory][mpi]") {
+  // Plans, sorts, stage tables and saved activations come from the layer's
+  // and the exchanges' workspaces; host tables are copied without mirrors.
+  // On a GPU every allocation is a cudaMalloc and every release a device
+  // synchronisation, so a step that allocates cannot overlap anything.
+  int const size = kmoe_test::world_size(), rank = kmoe_test::world_rank();
+  for (std::string const algorithm : {"flat", "hierarchical", "pooled_wave"}) {
+    for (std::string const schedule : {"serial", "shared_overlap", "chunked", "chunked_shared_overlap"}) {
+      bool const train = schedule == "serial" || schedule == "chunked";
+      INFO(algorithm << " " << schedule << (train ? " forward + backward" : " forward") << " at " << size << " ranks");
+      Built b(deck_text(algorithm, size % 2 == 0 ? 2 : 1, schedule), MPI_COMM_WORLD);
+      Exec exec;
+      int const d = b.deck.model.hidden;
+      index_t const T = b.deck.tokens.per_rank;
+      auto hidden = Setup::hidden_rows<float, MS>(b.deck, 0, rank * T, T, rank);
+      std::vector<float> dout(static_cast<std::size_t>(T * d));
+      for (index_t t = 0; t < T; ++t)
+        for (int c = 0; c < d; ++c) dout[static_cast<std::size_t>(t * d + c)] = upstream(rank * T + t, c);
+      RowMatrix<float, MS> out("out", T, d), dX("dX", T, d);
+      auto const dOut = rows_of(dout, T, d);
+      LayerGradients<MS> g;
+      LayerBackwardOptions bo;
+      bo.reproducible_shared = true;
+      bo.balance = BalanceLossConfig{};
+      auto step = [&] {
+        b.layer->forward(exec, hidden, out);
+        if (train) b.layer->backward(exec, hidden, dOut, dX, g, bo);
+        exec.fence();
+      };
+      // The workspaces and the gradients reach their sizes (a step may still
+      // hold the last one's buffers while it takes its own).
+      step();
+      step();
+      std::vector<float> const first = host(train ? dX : out);
+      std::string allocated;
+      {
+        kmoe_test::AllocationLog log;
+        step();
+        allocated = log.text();
+      }
+      INFO("allocations in the repeated step:\n" << allocated);
+      CHECK(allocated.empty());
+      // The reused buffers give the first step's result.
+      CHECK(kmoe_test::same_bits(host(train ? dX : out), first));
+    }
+  }
+}
+
 TEST_CASE("balance loss joins the router gradient; bad shapes are refused on every rank", "[layer][backward][mpi]") {
   int const size = kmoe_test::world_size(), rank = kmoe_test::world_rank();
   Built b(deck_text("flat", 1), MPI_COMM_WORLD);

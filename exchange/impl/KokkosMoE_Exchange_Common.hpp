@@ -83,11 +83,10 @@ inline std::vector<int> node_of_rank(Topology::CommunicatorSet const& comms) {
   return n;
 }
 
-/// Host copy of a device vector.
+/// Host copy of a device vector (fenced; no host mirror is allocated).
 template <class V>
 std::vector<typename V::non_const_value_type> host_vector(V const& v) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-  return std::vector<typename V::non_const_value_type>(h.data(), h.data() + h.extent(0));
+  return copy_to_host(typename V::execution_space(), v);
 }
 
 /// Device copy of a host vector.
@@ -331,12 +330,12 @@ class ExchangeBase {
   template <class T>
   void check_direct_repack(Exec const& exec, DispatchHandle<T, MemorySpace>& h, DirectRuns const& direct) {
     agree(comms_->ep().comm(), problem_of([&] {
-            h.repack = make_repack_plan(exec, h.arrived_meta, placement_, me_);
+            h.repack = make_repack_plan(exec, h.arrived_meta, placement_, me_, &work_);
             index_t misplaced = 0;
             int const K = static_cast<int>(direct.expert_first.size());
             if (K > 0 && h.repack.rows() > 0) {
-              auto af = device_vector<MemorySpace>(direct.arrival_first, "KokkosMoE::Exchange::arrival_first");
-              auto ef = device_vector<MemorySpace>(direct.expert_first, "KokkosMoE::Exchange::expert_first");
+              auto af = scratch_copy(&work_, exec, "KokkosMoE::Exchange::arrival_first", direct.arrival_first);
+              auto ef = scratch_copy(&work_, exec, "KokkosMoE::Exchange::expert_first", direct.expert_first);
               misplaced = misplaced_rows(exec, af, ef, K, h.repack.inv, h.repack.rows());
             }
             KOKKOSMOE_REQUIRE(h.repack.slot_counts == h.expert_counts && misplaced == 0,

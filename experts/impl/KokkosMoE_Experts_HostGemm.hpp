@@ -265,14 +265,13 @@ int run_host_products(ExecutionSpace const& exec, HostKernelTable const& table, 
     work.push_back(p);
   }
   if (items.empty()) return 0;
-  f.products = Kokkos::View<HostProductOf<SV, BV>*, Kokkos::HostSpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::host_products"),
-                                                                    work.size());
-  f.items = Kokkos::View<HostProductItem*, Kokkos::HostSpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::host_items"),
-                                                              items.size());
-  std::copy(work.begin(), work.end(), f.products.data());
-  std::copy(items.begin(), items.end(), f.items.data());
+  // The kernel reads the lists where they are (fenced below): no Kokkos
+  // allocation per launch.
+  f.products = Kokkos::View<HostProductOf<SV, BV>*, Kokkos::HostSpace>(work.data(), work.size());
+  f.items = Kokkos::View<HostProductItem*, Kokkos::HostSpace>(items.data(), items.size());
   typename F::policy_type policy(exec, static_cast<int>(items.size()), 1);
   Kokkos::parallel_for("KokkosMoE::Experts::host_gemm", policy.set_scratch_size(1, Kokkos::PerTeam(f.scratch_bytes())), f);
+  Compat::fence(exec, "KokkosMoE::Experts::host_gemm: lists");
   return 1;
 }
 
@@ -306,10 +305,9 @@ void host_transposes(ExecutionSpace const& exec, std::vector<HostTransposeOf<T>>
     for (int k0 = 0; k0 < list[m].K; k0 += B)
       for (int i0 = 0; i0 < list[m].M; i0 += B) blocks.push_back({static_cast<int>(m), i0, k0});
   if (blocks.empty()) return;
-  Kokkos::View<HostTransposeOf<T>*, Kokkos::HostSpace> l(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::host_transposes"), list.size());
-  Kokkos::View<Block*, Kokkos::HostSpace> bl(Kokkos::view_alloc(Kokkos::WithoutInitializing, "KokkosMoE::host_transpose_blocks"), blocks.size());
-  std::copy(list.begin(), list.end(), l.data());
-  std::copy(blocks.begin(), blocks.end(), bl.data());
+  // The kernel reads the lists where they are (fenced below).
+  Kokkos::View<HostTransposeOf<T> const*, Kokkos::HostSpace> l(list.data(), list.size());
+  Kokkos::View<Block const*, Kokkos::HostSpace> bl(blocks.data(), blocks.size());
   Kokkos::parallel_for(
       "KokkosMoE::Experts::host_transpose", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, static_cast<int>(blocks.size())), [=](int b) {
         Block const blk = bl(b);
@@ -329,6 +327,7 @@ void host_transposes(ExecutionSpace const& exec, std::vector<HostTransposeOf<T>>
           for (int k = 0; k < nk; ++k) dst[k] = tile[i][k];
         }
       });
+  Compat::fence(exec, "KokkosMoE::Experts::host_transpose: lists");
 }
 
 /// \brief C = op(A) op(B) + beta C (beta 0 or 1) for row-major views on a

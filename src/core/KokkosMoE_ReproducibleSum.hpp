@@ -26,6 +26,7 @@
 #include <KokkosMoE_Gemm.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Payload.hpp>
+#include <KokkosMoE_Workspace.hpp>
 
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
@@ -115,10 +116,11 @@ class FixedPointSum {
 /// all ranks' rows t of A(t, :)^T B(t, :), A [n, m] float, B [n, k] float or
 /// bf16_t (n may differ between ranks, m and k may not). The same C on every
 /// rank; the same bits for any split of the rows over ranks in multiples of
-/// `block` rows (blocks count from each rank's first row).
+/// `block` rows (blocks count from each rank's first row). The block
+/// product's buffer comes from ws when one is given.
 template <class Exec, class AV, class BV, class CV>
 void reproducible_atb_sum(Exec const& exec, AV const& A, BV const& B, CV const& C, int block, MPI_Comm comm, double watchdog,
-                          GemmPath path = GemmPath::automatic) {
+                          GemmPath path = GemmPath::automatic, Workspace<typename CV::memory_space>* ws = nullptr) {
   using MS = typename CV::memory_space;
   index_t const n = static_cast<index_t>(A.extent(0));
   int const m = static_cast<int>(A.extent(1)), k = static_cast<int>(B.extent(1));
@@ -146,8 +148,10 @@ void reproducible_atb_sum(Exec const& exec, AV const& A, BV const& B, CV const& 
       bound[static_cast<std::size_t>(i) * k + j] = static_cast<double>(block) * gmx[static_cast<std::size_t>(i)] * gmx[static_cast<std::size_t>(m + j)];
   sum.set_bound(bound);
   sum.agree_scale(comm, (n + block - 1) / block, watchdog);
-  Kokkos::View<float**, Kokkos::LayoutRight, MS> P("KokkosMoE::reproducible_atb_sum::block", m, k);
-  auto hp = Kokkos::create_mirror_view(Kokkos::HostSpace(), P);
+  auto const P = scratch<Kokkos::View<float**, Kokkos::LayoutRight, MS>>(ws, exec, "KokkosMoE::reproducible_atb_sum::block", m,
+                                                                       static_cast<std::size_t>(k));
+  std::vector<float> hp_values(static_cast<std::size_t>(m) * static_cast<std::size_t>(k));
+  Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> hp(hp_values.data(), m, k);
   for (index_t b0 = 0; b0 < n; b0 += block) {
     std::pair<index_t, index_t> const rows(b0, std::min<index_t>(n, b0 + block));
     gemm(exec, 'T', 'N', 1.0f, Kokkos::subview(A, rows, Kokkos::ALL), Kokkos::subview(B, rows, Kokkos::ALL), 0.0f, P, path);

@@ -16,8 +16,9 @@
 /// request takes the smallest free buffer of its shape that is large enough,
 /// else grows the largest free one (leading extent: the largest request),
 /// else adds one. The trailing extents and the element type are part of a
-/// buffer's shape: free buffers of another shape under the label are
-/// dropped. Views come back uninitialised.
+/// buffer's shape, and each shape under a label has buffers of its own (the
+/// routed and the shared experts' intermediate rows under one label keep
+/// theirs). Views come back uninitialised.
 
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
@@ -56,9 +57,6 @@ class Workspace {
       V* v = std::any_cast<V>(&e.view);
       return v && (Compat::view_rank<V> == 1 || v->extent(1) == n1) ? v : nullptr;
     };
-    // Free buffers of another shape go.
-    for (std::size_t i = pool.size(); i-- > 0;)
-      if (!of_shape(pool[i]) && pool[i].use_count(pool[i].view) <= 1) pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
     constexpr std::size_t none = static_cast<std::size_t>(-1);
     std::size_t fit = none, grow = none;
     for (std::size_t i = 0; i < pool.size(); ++i) {
@@ -105,8 +103,8 @@ class Workspace {
   }
 
   /// \brief Drops every buffer this workspace holds (views handed out stay
-  /// valid). A pool keeps as many buffers per label as were ever held at
-  /// once; this is how to give them back.
+  /// valid). A pool keeps as many buffers per label and shape as were ever
+  /// held at once; this is how to give them back.
   void clear() { buffers_.clear(); }
 
   /// \brief Number of labels.
@@ -142,6 +140,63 @@ class Workspace {
   std::string prefix_;
   std::map<std::string, std::vector<Entry>> buffers_;
 };
+
+/// \brief A transient view for one call, labelled "KokkosMoE::<what>":
+/// drawn from ws under "<what>" when a workspace is given (so that repeated
+/// steps reuse it, see Workspace), else freshly allocated. Uninitialised
+/// either way.
+template <class V, class Exec, class MS>
+V scratch(Workspace<MS>* ws, Exec const& exec, std::string const& label, index_t n, std::size_t n1 = 0) {
+  if (ws) {
+    std::string const ours = "KokkosMoE::";
+    return ws->template get<V>(exec, label.compare(0, ours.size(), ours) == 0 ? label.substr(ours.size()) : label, n, n1);
+  }
+  auto const alloc = Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, label);
+  if constexpr (Compat::view_rank<V> == 1) {
+    return V(alloc, n);
+  } else {
+    return V(alloc, n, n1);
+  }
+}
+
+/// \brief Host rows of a contiguous rank-1 view, copied on exec and fenced,
+/// without a host mirror (a mirror is an allocation, and on a device its
+/// release fences every stream).
+template <class Exec, class V>
+void copy_to_host(Exec const& exec, V const& v, std::vector<typename V::non_const_value_type>& out) {
+  using T = typename V::non_const_value_type;
+  out.resize(v.extent(0));
+  if (out.empty()) return;
+  Kokkos::deep_copy(exec, Kokkos::View<T*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(out.data(), out.size()), v);
+  Compat::fence(exec, "KokkosMoE::copy_to_host");
+}
+
+template <class Exec, class V>
+std::vector<typename V::non_const_value_type> copy_to_host(Exec const& exec, V const& v) {
+  std::vector<typename V::non_const_value_type> out;
+  copy_to_host(exec, v, out);
+  return out;
+}
+
+/// \brief Copies host values into the front of a contiguous rank-1 view on
+/// exec and fences (the host vector may go right after), without a mirror.
+template <class Exec, class V>
+void copy_from_host(Exec const& exec, std::vector<typename V::non_const_value_type> const& in, V const& v) {
+  using T = typename V::non_const_value_type;
+  KOKKOSMOE_REQUIRE(in.size() <= v.extent(0), "copy_from_host: " << in.size() << " values for " << v.extent(0) << " entries");
+  if (in.empty()) return;
+  Kokkos::deep_copy(exec, Kokkos::subview(v, std::pair<std::size_t, std::size_t>(0, in.size())),
+                    Kokkos::View<T const*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(in.data(), in.size()));
+  Compat::fence(exec, "KokkosMoE::copy_from_host");
+}
+
+/// \brief A transient device copy of host values (see scratch).
+template <class T, class Exec, class MS>
+Kokkos::View<T*, MS> scratch_copy(Workspace<MS>* ws, Exec const& exec, std::string const& label, std::vector<T> const& in) {
+  auto v = scratch<Kokkos::View<T*, MS>>(ws, exec, label, static_cast<index_t>(in.size()));
+  copy_from_host(exec, in, v);
+  return v;
+}
 
 }  // namespace KokkosMoE
 

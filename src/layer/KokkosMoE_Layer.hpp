@@ -285,8 +285,8 @@ class MoELayer {
     DispatchPlan<MemorySpace> plan;
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "route_plan");
-      routes = make_route_plan(exec, table_, device_placement_, choice_, comms_->global_rank(), 0);
-      plan = make_dispatch_plan(exec, routes, placement_, comms_->ep().peer_order());
+      routes = make_route_plan(exec, table_, device_placement_, choice_, comms_->global_rank(), 0, {}, &work_);
+      plan = make_dispatch_plan(exec, routes, placement_, comms_->ep().peer_order(), &work_);
     }
     index_t const R = routes.size();
     // Recompute: every wave dispatched (its handle kept until the end), the
@@ -329,7 +329,7 @@ class MoELayer {
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "recompute");
       for (int w = 0; w < W; ++w) h1[static_cast<std::size_t>(w)] = x.dispatch(exec, routes, plan, hidden, w);
-      if (merged) collective(ep, "MoE layer backward: wave merge", [&] { merge = Impl::merge_waves(h1); }, watchdog);
+      if (merged) collective(ep, "MoE layer backward: wave merge", [&] { merge = Impl::merge_waves(exec, h1, &work_); }, watchdog);
       expert_in = merged_rows(h1, "bwd_expert_in");
       expert_offsets = merged ? merge.offsets_d : h1[0].expert_offsets_d;
       auto z = work_.template matrix<T>(exec, "bwd_z", static_cast<index_t>(expert_in.extent(0)), static_cast<std::size_t>(d));
@@ -338,7 +338,8 @@ class MoELayer {
     }
     // Combine backward: gate gradients and the per-route output gradients,
     // laid out by route (row a of route a) for the gradient dispatch.
-    Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace> dgate("KokkosMoE::Layer::dgate", n, config_.router.top_k);
+    auto const dgate = work_.template matrix<float>(exec, "bwd_dgate", n, static_cast<std::size_t>(config_.router.top_k));
+    Kokkos::deep_copy(exec, dgate, 0.0f);  // dropped routes have none
     RowMatrix<T, MemorySpace> route_grad;
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine");
@@ -358,9 +359,10 @@ class MoELayer {
     RoutePlan<MemorySpace> per_route = routes;
     per_route.num_tokens = R;
     per_route.top_k = 1;
-    per_route.token = Kokkos::View<int*, MemorySpace>("KokkosMoE::Layer::route_token", R);
-    per_route.kslot = Kokkos::View<int*, MemorySpace>("KokkosMoE::Layer::route_kslot", R);
-    per_route.route_index = Kokkos::View<index_t**, Kokkos::LayoutRight, MemorySpace>("KokkosMoE::Layer::route_index", R, 1);
+    per_route.token = work_.template vector<int>(exec, "bwd_route_token", R);
+    per_route.kslot = work_.template vector<int>(exec, "bwd_route_kslot", R);
+    Kokkos::deep_copy(exec, per_route.kslot, 0);
+    per_route.route_index = work_.template get<Kokkos::View<index_t**, Kokkos::LayoutRight, MemorySpace>>(exec, "bwd_route_index", R, 1);
     {
       auto tk = per_route.token;
       auto ri = per_route.route_index;
@@ -416,11 +418,11 @@ class MoELayer {
       auto dlogits = work_.template matrix<float>(exec, "bwd_dlogits", n, static_cast<std::size_t>(E));
       router_backward(exec, config_.router, CMat(logits), table_, CMat(dgate), dlogits);
       if (options.balance)
-        rec.balance_loss = balance_loss(exec, config_.router, *options.balance, CMat(logits), table_, ep, dlogits, 1.0f, watchdog).loss;
+        rec.balance_loss = balance_loss(exec, config_.router, *options.balance, CMat(logits), table_, ep, dlogits, 1.0f, watchdog, &work_).loss;
       auto dxf = work_.template matrix<float>(exec, "bwd_dx_router", n, static_cast<std::size_t>(d));
       gemm(exec, 'N', 'N', 1.0f, dlogits, router_weight_, 0.0f, dxf, config_.router_gemm);
       add_rows(exec, dxf, dX);
-      reproducible_atb_sum(exec, dlogits, hidden, grads.router, options.gradient_block, ep, watchdog, config_.router_gemm);
+      reproducible_atb_sum(exec, dlogits, hidden, grads.router, options.gradient_block, ep, watchdog, config_.router_gemm, &work_);
     }
     if (shared_ && shared_->num_slots() > 0) {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "shared_experts");
@@ -485,13 +487,16 @@ class MoELayer {
     KOKKOSMOE_REQUIRE(block > 0, "MoE layer backward: gradient_block " << block << " must be positive");
     int const S = shared_->num_slots(), d = config_.hidden;
     index_t const n = static_cast<index_t>(hidden.extent(0));
-    Experts::ExpertGradients<MemorySpace> gb(*shared_);
-    auto hg = Kokkos::create_mirror_view(Kokkos::HostSpace(), gb.gate);
-    auto hu = Kokkos::create_mirror_view(Kokkos::HostSpace(), gb.up);
-    auto hd = Kokkos::create_mirror_view(Kokkos::HostSpace(), gb.down);
-    std::size_t const ng = hg.size(), nu = hu.size(), nd = hd.size();
+    // One block's gradients (kept by the layer: no allocation per step),
+    // staged on the host straight into the sum's term vector.
+    auto& gb = shared_block_grads_;
+    if (gb.num_slots() != shared_->num_slots() || gb.d() != d || gb.d_ff() != shared_->d_ff())
+      gb = Experts::ExpertGradients<MemorySpace>(*shared_);
+    std::size_t const ng = gb.gate.size(), nu = gb.up.size(), nd = gb.down.size();
     FixedPointSum sum(ng + nu + nd);
     std::vector<float> term(sum.size());
+    using host_tensor = Kokkos::View<float***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+    auto in_term = [&](auto const& v, std::size_t at) { return host_tensor(term.data() + at, v.extent(0), v.extent(1), v.extent(2)); };
     auto block_gradients = [&](index_t b0, index_t b1, bool input_gradient) {
       std::pair<index_t, index_t> const rows(b0, b1);
       RowMatrix<T, MemorySpace> const hid = Kokkos::subview(hidden, rows, Kokkos::ALL);
@@ -502,12 +507,9 @@ class MoELayer {
       backward_.backward(exec, *shared_, x, shared_offsets(b1 - b0), dy, dxs, gb);
       if (input_gradient) add_shared(exec, dxs, RowMatrix<T, MemorySpace>(Kokkos::subview(dX, rows, Kokkos::ALL)));
       Compat::fence(exec, "KokkosMoE::Layer::backward: shared block gradients");
-      Kokkos::deep_copy(hg, gb.gate);
-      Kokkos::deep_copy(hu, gb.up);
-      Kokkos::deep_copy(hd, gb.down);
-      std::copy(hg.data(), hg.data() + ng, term.begin());
-      std::copy(hu.data(), hu.data() + nu, term.begin() + static_cast<std::ptrdiff_t>(ng));
-      std::copy(hd.data(), hd.data() + nd, term.begin() + static_cast<std::ptrdiff_t>(ng + nu));
+      Kokkos::deep_copy(in_term(gb.gate, 0), gb.gate);
+      Kokkos::deep_copy(in_term(gb.up, ng), gb.up);
+      Kokkos::deep_copy(in_term(gb.down, ng + nu), gb.down);
     };
     for (index_t b0 = 0; b0 < n; b0 += block) {
       block_gradients(b0, std::min<index_t>(n, b0 + block), true);
@@ -519,13 +521,10 @@ class MoELayer {
       sum.add(term.data());
     }
     sum.result(comm, term.data(), watchdog);
-    std::copy(term.begin(), term.begin() + static_cast<std::ptrdiff_t>(ng), hg.data());
-    std::copy(term.begin() + static_cast<std::ptrdiff_t>(ng), term.begin() + static_cast<std::ptrdiff_t>(ng + nu), hu.data());
-    std::copy(term.begin() + static_cast<std::ptrdiff_t>(ng + nu), term.end(), hd.data());
     if (g.num_slots() != gb.num_slots() || g.d() != gb.d()) g = Experts::ExpertGradients<MemorySpace>(*shared_);
-    Kokkos::deep_copy(g.gate, hg);
-    Kokkos::deep_copy(g.up, hu);
-    Kokkos::deep_copy(g.down, hd);
+    Kokkos::deep_copy(g.gate, in_term(g.gate, 0));
+    Kokkos::deep_copy(g.up, in_term(g.up, ng));
+    Kokkos::deep_copy(g.down, in_term(g.down, ng + nu));
   }
 
   /// rows [n, d] once per shared expert ([S n, d]; rows itself for one).
@@ -751,8 +750,8 @@ class MoELayer {
         // The route id of (token, k-slot) is the step's, so a chunk picks the
         // replicas the whole step would.
         ch.plans.routes = make_route_plan(exec, ch.table, device_placement_, choice_, comms_->global_rank(),
-                                          t0 * ch.table.top_k(), ch.explicit_slot);
-        ch.plans.dispatch = make_dispatch_plan(exec, ch.plans.routes, placement_, comms_->ep().peer_order());
+                                          t0 * ch.table.top_k(), ch.explicit_slot, &work_);
+        ch.plans.dispatch = make_dispatch_plan(exec, ch.plans.routes, placement_, comms_->ep().peer_order(), &work_);
         ch.returned = payload_buffer(work_, exec, "returned_" + std::to_string(c), config_.exchange.return_payload, d,
                                      ch.plans.dispatch.rows());
       }
@@ -850,6 +849,7 @@ class MoELayer {
   RouteTable<MemorySpace> table_;
   std::map<Exchange::Algorithm, std::unique_ptr<exchange_type>> exchanges_;
   Workspace<MemorySpace> work_{"KokkosMoE::Layer"};
+  Experts::ExpertGradients<MemorySpace> shared_block_grads_;  ///< one block's, for the reproducible shared-expert sum
   Kokkos::View<index_t*, MemorySpace> shared_offsets_;
   index_t shared_n_ = -1;
 };

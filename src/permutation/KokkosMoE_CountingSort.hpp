@@ -10,6 +10,7 @@
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
 
 namespace KokkosMoE {
 
@@ -17,10 +18,12 @@ namespace KokkosMoE {
 /// perm[p] = original index at sorted position p; offsets[k] = first sorted
 /// position of key k (num_keys + 1 entries, offsets[num_keys] = n).
 /// A key outside [0, num_keys) is an error reported after the sort (checked
-/// in the histogram pass; nothing is scattered then).
+/// in the histogram pass; nothing is scattered then). Its two scratch
+/// arrays come from ws when one is given.
 template <class Exec, class KeyView, class PermView, class OffsetView>
 void stable_counting_sort(Exec const& exec, KeyView const& keys, int num_keys, PermView const& perm,
-                          OffsetView const& offsets, char const* label = "KokkosMoE::counting_sort") {
+                          OffsetView const& offsets, char const* label = "KokkosMoE::counting_sort",
+                          Workspace<typename Exec::memory_space>* ws = nullptr) {
   using MS = typename Exec::memory_space;
   index_t const n = static_cast<index_t>(keys.extent(0));
   KOKKOSMOE_REQUIRE(num_keys >= 0, label << ": negative key count " << num_keys);
@@ -39,9 +42,10 @@ void stable_counting_sort(Exec const& exec, KeyView const& keys, int num_keys, P
   if (n == 0) chunks = 1;
   index_t const chunk_len = (n + chunks - 1) / chunks;
   int const K = num_keys;
-  Kokkos::View<index_t**, Kokkos::LayoutRight, MS> base(
-      Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, std::string(label) + "::base"), chunks, K > 0 ? K : 1);
-  Kokkos::View<index_t, MS> bad(Kokkos::view_alloc(exec, std::string(label) + "::bad_keys"));
+  auto const base = scratch<Kokkos::View<index_t**, Kokkos::LayoutRight, MS>>(ws, exec, std::string(label) + "::base", chunks,
+                                                                              static_cast<std::size_t>(K > 0 ? K : 1));
+  auto const bad = Kokkos::subview(scratch<Kokkos::View<index_t*, MS>>(ws, exec, std::string(label) + "::bad_keys", 1), 0);
+  Kokkos::deep_copy(exec, bad, index_t(0));
   Kokkos::parallel_for(
       std::string(label) + "::histogram", Kokkos::RangePolicy<Exec>(exec, 0, chunks), KOKKOS_LAMBDA(index_t c) {
         for (int k = 0; k < K; ++k) base(c, k) = 0;

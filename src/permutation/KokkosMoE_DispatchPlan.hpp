@@ -48,9 +48,10 @@ std::vector<int> peer_slot_of_rank(std::vector<int> const& peer_order, int num_r
 
 /// \brief Builds the send plan of a route plan against peer_order (global
 /// ranks by peer slot). Every destination rank must appear in peer_order.
+/// With a workspace, the plan's arrays and the scratch are drawn from it.
 template <class Exec, class MS>
 DispatchPlan<MS> make_dispatch_plan(Exec const& exec, RoutePlan<MS> const& routes, Placement const& placement,
-                                    std::vector<int> const& peer_order) {
+                                    std::vector<int> const& peer_order, Workspace<MS>* ws = nullptr) {
   int const P = static_cast<int>(peer_order.size());
   int const S = placement.num_slots();
   auto const slot_of = peer_slot_of_rank(peer_order, placement.num_ranks());
@@ -62,26 +63,20 @@ DispatchPlan<MS> make_dispatch_plan(Exec const& exec, RoutePlan<MS> const& route
   std::vector<int> peer_of_slot(static_cast<std::size_t>(S));
   for (int s = 0; s < S; ++s) peer_of_slot[s] = slot_of[static_cast<std::size_t>(placement.slot(s).rank)];
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return peer_of_slot[a] < peer_of_slot[b]; });
-  Kokkos::View<int*, MS> slot_key("KokkosMoE::DispatchPlan::slot_key", S);
-  auto h_key = Kokkos::create_mirror_view(slot_key);
+  std::vector<int> h_key(static_cast<std::size_t>(S));
   std::vector<int> first_key(static_cast<std::size_t>(P) + 1, S);
   for (int pos = S - 1; pos >= 0; --pos) {
     int const s = order[pos];
-    h_key(s) = pos;
+    h_key[static_cast<std::size_t>(s)] = pos;
     if (peer_of_slot[s] >= 0) first_key[static_cast<std::size_t>(peer_of_slot[s])] = pos;
   }
   for (int p = P - 1; p >= 0; --p) first_key[p] = std::min(first_key[p], first_key[p + 1]);
-  Kokkos::deep_copy(exec, slot_key, h_key);
+  auto const slot_key = scratch_copy(ws, exec, "KokkosMoE::DispatchPlan::slot_key", h_key);
 
   index_t const A = routes.size();
-  Kokkos::View<int*, MS> keys(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::DispatchPlan::keys"), A);
+  auto const keys = scratch<Kokkos::View<int*, MS>>(ws, exec, "KokkosMoE::DispatchPlan::keys", A);
   auto route_slot = routes.slot;
-  Kokkos::View<int*, MS> peer_of_slot_d("KokkosMoE::DispatchPlan::peer_of_slot", S);
-  {
-    auto h = Kokkos::create_mirror_view(peer_of_slot_d);
-    for (int s = 0; s < S; ++s) h(s) = peer_of_slot[s];
-    Kokkos::deep_copy(exec, peer_of_slot_d, h);
-  }
+  auto const peer_of_slot_d = scratch_copy(ws, exec, "KokkosMoE::DispatchPlan::peer_of_slot", peer_of_slot);
   index_t missing = 0;
   Kokkos::parallel_reduce(
       "KokkosMoE::DispatchPlan::keys", Kokkos::RangePolicy<Exec>(exec, 0, A),
@@ -100,25 +95,23 @@ DispatchPlan<MS> make_dispatch_plan(Exec const& exec, RoutePlan<MS> const& route
   plan.my_peer_slot = routes.origin_rank >= 0 && routes.origin_rank < static_cast<int>(slot_of.size())
                           ? slot_of[static_cast<std::size_t>(routes.origin_rank)]
                           : -1;
-  plan.perm = Kokkos::View<index_t*, MS>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::DispatchPlan::perm"), A);
-  plan.inv = Kokkos::View<index_t*, MS>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::DispatchPlan::inv"), A);
-  Kokkos::View<index_t*, MS> key_offsets(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::DispatchPlan::key_offsets"), S + 1);
-  stable_counting_sort(exec, keys, S, plan.perm, key_offsets, "KokkosMoE::DispatchPlan::sort");
+  plan.perm = scratch<Kokkos::View<index_t*, MS>>(ws, exec, "KokkosMoE::DispatchPlan::perm", A);
+  plan.inv = scratch<Kokkos::View<index_t*, MS>>(ws, exec, "KokkosMoE::DispatchPlan::inv", A);
+  auto const key_offsets = scratch<Kokkos::View<index_t*, MS>>(ws, exec, "KokkosMoE::DispatchPlan::key_offsets", S + 1);
+  stable_counting_sort(exec, keys, S, plan.perm, key_offsets, "KokkosMoE::DispatchPlan::sort", ws);
   invert_permutation(exec, plan.perm, plan.inv, "KokkosMoE::DispatchPlan::invert");
-  auto h_off = Kokkos::create_mirror_view(key_offsets);
-  Kokkos::deep_copy(exec, h_off, key_offsets);
-  Compat::fence(exec, "KokkosMoE::DispatchPlan: offsets");
+  auto const h_off = copy_to_host(exec, key_offsets);
   plan.counts.assign(static_cast<std::size_t>(P), 0);
   plan.offsets.assign(static_cast<std::size_t>(P) + 1, 0);
   for (int p = 0; p < P; ++p) {
-    plan.offsets[p] = h_off(first_key[p]);
-    plan.counts[p] = h_off(first_key[p + 1]) - h_off(first_key[p]);
+    plan.offsets[p] = h_off[first_key[p]];
+    plan.counts[p] = h_off[first_key[p + 1]] - h_off[first_key[p]];
   }
   plan.offsets[P] = A;
   plan.slot_runs.assign(static_cast<std::size_t>(P), {});
   for (int p = 0; p < P; ++p)
     for (int key = first_key[p]; key < first_key[p + 1]; ++key)
-      plan.slot_runs[static_cast<std::size_t>(p)].push_back({h_off(key), h_off(key + 1) - h_off(key)});
+      plan.slot_runs[static_cast<std::size_t>(p)].push_back({h_off[key], h_off[key + 1] - h_off[key]});
   return plan;
 }
 
@@ -177,19 +170,17 @@ struct RepackPlan {
 
 /// \brief Builds the repack of rows that arrived at `rank`; every row's slot
 /// must be one of rank's slots in placement (else Error names the row).
+/// With a workspace, the plan's arrays and the scratch are drawn from it.
 template <class Exec, class MS>
 RepackPlan<MS> make_repack_plan(Exec const& exec, Kokkos::View<RowMeta*, MS> const& meta, Placement const& placement,
-                                int rank) {
+                                int rank, Workspace<MS>* ws = nullptr) {
   int const L = static_cast<int>(placement.slots_of_rank(rank).size());
   int const S = placement.num_slots();
   index_t const n = static_cast<index_t>(meta.extent(0));
-  Kokkos::View<int*, MS> local_of_slot("KokkosMoE::RepackPlan::local_of_slot", S);
-  {
-    auto h = Kokkos::create_mirror_view(local_of_slot);
-    for (int s = 0; s < S; ++s) h(s) = placement.slot(s).rank == rank ? placement.local_index(s) : -1;
-    Kokkos::deep_copy(exec, local_of_slot, h);
-  }
-  Kokkos::View<int*, MS> keys(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::RepackPlan::keys"), n);
+  std::vector<int> h_local(static_cast<std::size_t>(S));
+  for (int s = 0; s < S; ++s) h_local[static_cast<std::size_t>(s)] = placement.slot(s).rank == rank ? placement.local_index(s) : -1;
+  auto const local_of_slot = scratch_copy(ws, exec, "KokkosMoE::RepackPlan::local_of_slot", h_local);
+  auto const keys = scratch<Kokkos::View<int*, MS>>(ws, exec, "KokkosMoE::RepackPlan::keys", n);
   index_t first_bad = n;
   Kokkos::parallel_reduce(
       "KokkosMoE::RepackPlan::keys", Kokkos::RangePolicy<Exec>(exec, 0, n),
@@ -209,15 +200,12 @@ RepackPlan<MS> make_repack_plan(Exec const& exec, Kokkos::View<RowMeta*, MS> con
                            << "), which is not one of this rank's " << L << " slots");
   }
   RepackPlan<MS> plan;
-  plan.perm = Kokkos::View<index_t*, MS>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::RepackPlan::perm"), n);
-  plan.inv = Kokkos::View<index_t*, MS>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::RepackPlan::inv"), n);
-  plan.offsets = Kokkos::View<index_t*, MS>(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::RepackPlan::offsets"), L + 1);
-  stable_counting_sort(exec, keys, L, plan.perm, plan.offsets, "KokkosMoE::RepackPlan::sort");
+  plan.perm = scratch<Kokkos::View<index_t*, MS>>(ws, exec, "KokkosMoE::RepackPlan::perm", n);
+  plan.inv = scratch<Kokkos::View<index_t*, MS>>(ws, exec, "KokkosMoE::RepackPlan::inv", n);
+  plan.offsets = scratch<Kokkos::View<index_t*, MS>>(ws, exec, "KokkosMoE::RepackPlan::offsets", L + 1);
+  stable_counting_sort(exec, keys, L, plan.perm, plan.offsets, "KokkosMoE::RepackPlan::sort", ws);
   invert_permutation(exec, plan.perm, plan.inv, "KokkosMoE::RepackPlan::invert");
-  auto h = Kokkos::create_mirror_view(plan.offsets);
-  Kokkos::deep_copy(exec, h, plan.offsets);
-  Compat::fence(exec, "KokkosMoE::RepackPlan: offsets");
-  plan.slot_offsets.assign(h.data(), h.data() + L + 1);
+  copy_to_host(exec, plan.offsets, plan.slot_offsets);
   plan.slot_counts.resize(static_cast<std::size_t>(L));
   for (int q = 0; q < L; ++q) plan.slot_counts[q] = plan.slot_offsets[q + 1] - plan.slot_offsets[q];
   return plan;

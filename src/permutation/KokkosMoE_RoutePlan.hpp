@@ -11,6 +11,7 @@
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Placement.hpp>
 #include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
 
 namespace KokkosMoE {
 
@@ -63,10 +64,13 @@ RoutePlan<Kokkos::HostSpace> to_host(RoutePlan<MS> const& p) {
 /// view is non-empty and the entry is >= 0 (explicit routes, e.g. fixtures),
 /// else choice.slot(expert, global route id). Every chosen slot must store the route's logical
 /// expert; otherwise Error names how many routes are wrong and the first one.
+/// With a workspace, the plan's arrays are drawn from it: they are reused
+/// by a later plan once this one and its copies are gone.
 template <class Exec, class MS>
 RoutePlan<MS> make_route_plan(Exec const& exec, RouteTable<MS> const& table, DevicePlacement<MS> const& placement,
                               ReplicaChoice<MS> const& choice, int origin_rank, index_t id_base = 0,
-                              Kokkos::View<int**, Kokkos::LayoutRight, MS> const& explicit_slot = {}) {
+                              Kokkos::View<int**, Kokkos::LayoutRight, MS> const& explicit_slot = {},
+                              Workspace<MS>* ws = nullptr) {
   index_t const T = table.num_tokens();
   int const k = table.top_k();
   KOKKOSMOE_REQUIRE(explicit_slot.extent(0) == 0 ||
@@ -81,8 +85,8 @@ RoutePlan<MS> make_route_plan(Exec const& exec, RouteTable<MS> const& table, Dev
   plan.top_k = k;
   plan.id_base = id_base;
   plan.generation = placement.generation;
-  plan.route_index = Kokkos::View<index_t**, Kokkos::LayoutRight, MS>(
-      Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::RoutePlan::route_index"), T, k);
+  plan.route_index = scratch<Kokkos::View<index_t**, Kokkos::LayoutRight, MS>>(ws, exec, "KokkosMoE::RoutePlan::route_index", T,
+                                                                               static_cast<std::size_t>(k));
   auto accepted = table.accepted;
   auto route_index = plan.route_index;
   index_t A = 0;
@@ -97,13 +101,13 @@ RoutePlan<MS> make_route_plan(Exec const& exec, RouteTable<MS> const& table, Dev
       },
       A);
   Compat::fence(exec, "KokkosMoE::RoutePlan: accepted count");
-  auto alloc = [&](char const* name) { return Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, std::string("KokkosMoE::RoutePlan::") + name); };
-  plan.token = Kokkos::View<int*, MS>(alloc("token"), A);
-  plan.kslot = Kokkos::View<int*, MS>(alloc("kslot"), A);
-  plan.expert = Kokkos::View<int*, MS>(alloc("expert"), A);
-  plan.slot = Kokkos::View<int*, MS>(alloc("slot"), A);
-  plan.dest_rank = Kokkos::View<int*, MS>(alloc("dest_rank"), A);
-  plan.gate = Kokkos::View<float*, MS>(alloc("gate"), A);
+  auto ints = [&](char const* name) { return scratch<Kokkos::View<int*, MS>>(ws, exec, std::string("KokkosMoE::RoutePlan::") + name, A); };
+  plan.token = ints("token");
+  plan.kslot = ints("kslot");
+  plan.expert = ints("expert");
+  plan.slot = ints("slot");
+  plan.dest_rank = ints("dest_rank");
+  plan.gate = scratch<Kokkos::View<float*, MS>>(ws, exec, "KokkosMoE::RoutePlan::gate", A);
   auto token = plan.token;
   auto kslot = plan.kslot;
   auto expert = plan.expert;

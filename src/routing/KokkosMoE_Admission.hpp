@@ -147,8 +147,10 @@ void route_histogram(Exec const& exec, index_t T, int k, BinOf const& bin_of, Ko
   }
   if constexpr (host_histogram<Exec>()) {
     index_t const chunks = Compat::min<index_t>(T, Compat::max(1, static_cast<int>(exec.concurrency())));
-    Kokkos::View<index_t**, Kokkos::LayoutRight, M> part(Kokkos::view_alloc(exec, "KokkosMoE::Admission::histogram"),
-                                                        chunks, nbins);
+    // Host memory (host backends only), not a Kokkos allocation: nothing
+    // to track or fence for a few counters per step.
+    std::vector<index_t> cells(static_cast<std::size_t>(chunks) * static_cast<std::size_t>(nbins), 0);
+    Kokkos::View<index_t**, Kokkos::LayoutRight, M, Kokkos::MemoryTraits<Kokkos::Unmanaged>> part(cells.data(), chunks, nbins);
     Kokkos::parallel_for(
         "KokkosMoE::Admission::histogram_chunks", Kokkos::RangePolicy<Exec>(exec, 0, chunks), KOKKOS_LAMBDA(index_t c) {
           index_t const t0 = T * c / chunks, t1 = T * (c + 1) / chunks;

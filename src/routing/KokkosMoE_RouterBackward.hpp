@@ -246,12 +246,13 @@ struct BalanceLossResult {
 /// (`table` from `logits` by a router with `config`) and, when dlogits is
 /// given (non-empty), dlogits += weight * dL/dlogits for this rank's tokens.
 /// Softmax and sigmoid scores. Throws CollectiveError (every rank) on
-/// mismatched shapes or settings.
+/// mismatched shapes or settings. Its device scratch comes from ws when one
+/// is given.
 template <class Exec, class MS>
 BalanceLossResult balance_loss(Exec const& exec, RouterConfig const& config, BalanceLossConfig const& bl,
                                Kokkos::View<const float**, Kokkos::LayoutRight, MS> logits, RouteTable<MS> const& table,
                                MPI_Comm scope, Kokkos::View<float**, Kokkos::LayoutRight, MS> dlogits = {},
-                               float weight = 1.0f, double watchdog_seconds = 300.0) {
+                               float weight = 1.0f, double watchdog_seconds = 300.0, Workspace<MS>* ws = nullptr) {
   index_t const T = static_cast<index_t>(logits.extent(0));
   int const E = config.num_experts, k = config.top_k;
   bool const want_grad = dlogits.data() != nullptr;
@@ -287,8 +288,12 @@ BalanceLossResult balance_loss(Exec const& exec, RouterConfig const& config, Bal
   index_t const chunk = per_sequence ? S : index_t(256);
   index_t const chunks = (T + chunk - 1) / chunk;
   index_t const groups = per_sequence ? chunks : (T > 0 ? 1 : 0);
-  Kokkos::View<double**, Kokkos::LayoutRight, MS> psum("KokkosMoE::balance_loss::psum", chunks, E);
-  Kokkos::View<std::int64_t**, Kokkos::LayoutRight, MS> count("KokkosMoE::balance_loss::count", chunks, E);
+  auto const psum = scratch<Kokkos::View<double**, Kokkos::LayoutRight, MS>>(ws, exec, "KokkosMoE::balance_loss::psum", chunks,
+                                                                           static_cast<std::size_t>(E));
+  auto const count = scratch<Kokkos::View<std::int64_t**, Kokkos::LayoutRight, MS>>(ws, exec, "KokkosMoE::balance_loss::count", chunks,
+                                                                                   static_cast<std::size_t>(E));
+  Kokkos::deep_copy(exec, psum, 0.0);
+  Kokkos::deep_copy(exec, count, std::int64_t(0));
   auto expert = table.expert;
   using Teams = Impl::TokenTeams<Exec>;
   Impl::ScoreKind const kind = softmax ? Impl::ScoreKind::softmax : Impl::ScoreKind::sigmoid;
@@ -307,16 +312,22 @@ BalanceLossResult balance_loss(Exec const& exec, RouterConfig const& config, Bal
             });
           }
         });
-  auto hpc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), psum);
-  auto hcc = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), count);
+  // Host copies without mirrors (psum and count are contiguous rows).
+  std::size_t const cells = static_cast<std::size_t>(chunks) * static_cast<std::size_t>(E);
+  using unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+  auto const hpc = copy_to_host(exec, Kokkos::View<double const*, MS, unmanaged>(psum.data(), cells));
+  auto const hcc = copy_to_host(exec, Kokkos::View<std::int64_t const*, MS, unmanaged>(count.data(), cells));
   // Per group ([groups, E]: the sequences, or one row of all chunks).
-  Kokkos::View<double**, Kokkos::LayoutRight, Kokkos::HostSpace> hp("KokkosMoE::balance_loss::group_psum", groups, E);
-  Kokkos::View<std::int64_t**, Kokkos::LayoutRight, Kokkos::HostSpace> hc("KokkosMoE::balance_loss::group_count", groups, E);
+  std::vector<double> hp_values(static_cast<std::size_t>(groups) * static_cast<std::size_t>(E), 0.0);
+  std::vector<std::int64_t> hc_values(hp_values.size(), 0);
+  auto hp = [&](index_t g, int e) -> double& { return hp_values[static_cast<std::size_t>(g) * static_cast<std::size_t>(E) + static_cast<std::size_t>(e)]; };
+  auto hc = [&](index_t g, int e) -> std::int64_t& { return hc_values[static_cast<std::size_t>(g) * static_cast<std::size_t>(E) + static_cast<std::size_t>(e)]; };
   for (index_t c = 0; c < chunks; ++c)
     for (int e = 0; e < E; ++e) {
       index_t const g = per_sequence ? c : 0;
-      hp(g, e) += hpc(c, e);
-      hc(g, e) += hcc(c, e);
+      std::size_t const at = static_cast<std::size_t>(c) * static_cast<std::size_t>(E) + static_cast<std::size_t>(e);
+      hp(g, e) += hpc[at];
+      hc(g, e) += hcc[at];
     }
 
   BalanceLossResult r;
@@ -345,8 +356,10 @@ BalanceLossResult balance_loss(Exec const& exec, RouterConfig const& config, Bal
 
   // q per group ([groups, E] for sequences, one row otherwise) and the loss.
   index_t const qrows = per_sequence ? groups : 1;
-  Kokkos::View<float**, Kokkos::LayoutRight, MS> q("KokkosMoE::balance_loss::q", qrows, E);
-  auto hq = Kokkos::create_mirror_view(q);
+  auto const q = scratch<Kokkos::View<float**, Kokkos::LayoutRight, MS>>(ws, exec, "KokkosMoE::balance_loss::q", qrows,
+                                                                        static_cast<std::size_t>(E));
+  std::vector<float> hq_values(static_cast<std::size_t>(qrows) * static_cast<std::size_t>(E), 0.0f);
+  Kokkos::View<float**, Kokkos::LayoutRight, Kokkos::HostSpace, unmanaged> hq(hq_values.data(), qrows, E);
   double group_scale = 0.0;  // 1 / N of the gradient, times the group weight
   if (bl.form == BalanceLossForm::sequence) {
     double local_loss = 0.0;

@@ -13,6 +13,7 @@
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Exchange_Handle.hpp>
 #include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
 
 #include <Kokkos_Core.hpp>
 
@@ -35,9 +36,11 @@ struct WaveMerge {
 };
 
 /// \brief The merge of handles' expert rows (one handle per wave, each with
-/// its arrival keys; their slots must agree).
-template <class T, class MemorySpace>
-WaveMerge<MemorySpace> merge_waves(std::vector<Exchange::DispatchHandle<T, MemorySpace>> const& waves) {
+/// its arrival keys; their slots must agree). Its device tables come from
+/// ws when one is given.
+template <class Exec, class T, class MemorySpace>
+WaveMerge<MemorySpace> merge_waves(Exec const& exec, std::vector<Exchange::DispatchHandle<T, MemorySpace>> const& waves,
+                                   Workspace<MemorySpace>* ws = nullptr) {
   WaveMerge<MemorySpace> m;
   KOKKOSMOE_REQUIRE(!waves.empty(), "wave merge: no waves");
   std::size_t const L = waves.front().expert_counts.size();
@@ -70,15 +73,8 @@ WaveMerge<MemorySpace> merge_waves(std::vector<Exchange::DispatchHandle<T, Memor
     for (std::size_t i = 0; i < e.size(); ++i)
       merged[static_cast<std::size_t>(e[i].wave)][static_cast<std::size_t>(e[i].row)] = m.offsets[q] + static_cast<index_t>(i);
   }
-  m.offsets_d = Kokkos::View<index_t*, MemorySpace>("KokkosMoE::WaveMerge::offsets", L + 1);
-  Kokkos::deep_copy(m.offsets_d, Kokkos::View<index_t const*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
-                                     m.offsets.data(), m.offsets.size()));
-  for (std::size_t w = 0; w < waves.size(); ++w) {
-    Kokkos::View<index_t*, MemorySpace> d("KokkosMoE::WaveMerge::merged_of", merged[w].size());
-    Kokkos::deep_copy(d, Kokkos::View<index_t const*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
-                             merged[w].data(), merged[w].size()));
-    m.merged_of.push_back(d);
-  }
+  m.offsets_d = scratch_copy(ws, exec, "KokkosMoE::WaveMerge::offsets", m.offsets);
+  for (std::size_t w = 0; w < waves.size(); ++w) m.merged_of.push_back(scratch_copy(ws, exec, "KokkosMoE::WaveMerge::merged_of", merged[w]));
   return m;
 }
 
