@@ -9,13 +9,10 @@
 #include <nlohmann/json.hpp>
 #include <mpi.h>
 
-#include <cstdint>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 namespace kmoe_test {
 
@@ -73,42 +70,6 @@ inline int world_size() {
   MPI_Comm_size(MPI_COMM_WORLD, &s);
   return s;
 }
-
-/// The labels of the Kokkos allocations (every memory space) made while
-/// it lives, through the Kokkos Tools allocation callback (one at a time).
-class AllocationLog {
- public:
-  AllocationLog() {
-    if (current_ != nullptr) throw std::logic_error("AllocationLog: one at a time");
-    current_ = this;
-    Kokkos::Tools::Experimental::set_allocate_data_callback(&record);
-  }
-  ~AllocationLog() {
-    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-    current_ = nullptr;
-  }
-  AllocationLog(AllocationLog const&) = delete;
-  AllocationLog& operator=(AllocationLog const&) = delete;
-
-  std::vector<std::string> const& labels() const { return labels_; }
-  /// "label (space, bytes)" per allocation, one per line.
-  std::string text() const {
-    std::ostringstream os;
-    for (std::size_t i = 0; i < labels_.size(); ++i) os << labels_[i] << " (" << spaces_[i] << ", " << bytes_[i] << " bytes)\n";
-    return os.str();
-  }
-
- private:
-  static void record(Kokkos_Profiling_SpaceHandle space, char const* label, void const*, std::uint64_t bytes) {
-    if (current_ == nullptr) return;
-    current_->labels_.emplace_back(label);
-    current_->spaces_.emplace_back(space.name);
-    current_->bytes_.push_back(bytes);
-  }
-  static inline AllocationLog* current_ = nullptr;
-  std::vector<std::string> labels_, spaces_;
-  std::vector<std::uint64_t> bytes_;
-};
 
 }  // namespace kmoe_test
 

@@ -7,6 +7,7 @@
 #include "kmoe_test_util.hpp"
 
 #include <KokkosMoE_Admission.hpp>
+#include <KokkosMoE_AllocationLog.hpp>
 #include <KokkosMoE_BiasController.hpp>
 #include <KokkosMoE_EnumNames.hpp>
 #include <KokkosMoE_Eplb.hpp>
@@ -89,6 +90,33 @@ TEST_CASE("workspace: buffers are reused only when nobody else holds them", "[co
   CHECK_THROWS(ws.vector<double>(exec, "fails", huge));  // grows the free one: released first, then fails
   CHECK(ws.buffers("fails") == 0);
   CHECK(ws.vector<double>(exec, "fails", 7).extent(0) == 7);
+}
+
+TEST_CASE("allocation log: sees every Kokkos allocation while it lives, one log at a time", "[core][workspace]") {
+  Exec exec;
+  Workspace<MS> ws("test");
+  ws.vector<float>(exec, "held", 100);  // allocated before the log: not in it
+  std::string seen;
+  {
+    AllocationLog log;
+    CHECK_THROWS_WITH(AllocationLog(), Catch::Matchers::Contains("one at a time"));
+    Kokkos::View<double*, MS> v("allocation_log::fresh", 5);
+    Kokkos::View<int*, Kokkos::HostSpace> h("allocation_log::host", 3);
+    ws.vector<float>(exec, "held", 100);   // reused: no allocation
+    ws.vector<float>(exec, "held", 200);   // grown: one
+    REQUIRE(log.count() == 3);
+    CHECK(log.entries()[0].label == "allocation_log::fresh");
+    CHECK(log.entries()[0].bytes >= 5 * sizeof(double));  // Kokkos may pad
+    CHECK(log.entries()[1].label == "allocation_log::host");
+    CHECK(log.entries()[2].label == "test::held");
+    CHECK(log.bytes() >= 5 * sizeof(double) + 3 * sizeof(int) + 200 * sizeof(float));
+    seen = log.text();
+  }
+  CHECK(seen.find("allocation_log::fresh (") != std::string::npos);
+  {
+    AllocationLog again;  // the first one is gone
+    CHECK(again.count() == 0);
+  }
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include "kmoe_catch.hpp"
 #include "kmoe_test_util.hpp"
 
+#include <KokkosMoE_AllocationLog.hpp>
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_LayerSetup.hpp>
 
@@ -311,7 +312,7 @@ TEST_CASE("repeated steps allocate nothing: forward under every schedule, and fo
       std::vector<float> const first = host(train ? dX : out);
       std::string allocated;
       {
-        kmoe_test::AllocationLog log;
+        AllocationLog log;
         step();
         allocated = log.text();
       }

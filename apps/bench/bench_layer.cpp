@@ -3,15 +3,19 @@
 // E = 64, k = 8, d = 2048, f = 1408, one shared expert) under every step
 // schedule next to the serial one, in the same run and on the same batch:
 //
-//   BENCH name=layer_<schedule>_np<P> algorithm=... chunks=... step_s=... serial_step_s=... identical=yes ratio=<step / serial step>
+//   BENCH name=layer_<schedule>_np<P> algorithm=... chunks=... step_s=... serial_step_s=... identical=yes
+//         allocations_per_step=0 ratio=<step / serial step>
 //
 // Step times are the slowest rank's, medians over --reps repetitions in
 // which the schedules take turns (so drift hits them alike). Every
 // schedule's output must equal the serial one bitwise (identical=yes); the
-// exit code is 1 otherwise.
+// exit code is 1 otherwise. allocations_per_step: the Kokkos allocations of
+// a measured step (the most on any rank; each is a cudaMalloc on a GPU and
+// its release a device synchronisation).
 
 #include "kmoe_bench_common.hpp"
 
+#include <KokkosMoE_AllocationLog.hpp>
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Deck.hpp>
 #include <KokkosMoE_Digest.hpp>
@@ -60,6 +64,7 @@ int bench(LayerDeck deck, LayerOptions const& o) {
     RowMatrix<T, MS> out;
     std::vector<double> seconds;
     std::uint64_t digest = 0;
+    long allocations = 0;  // in the measured steps
   };
   std::vector<Case> cases;
   for (auto kind : {ScheduleKind::serial, ScheduleKind::shared_overlap, ScheduleKind::chunked, ScheduleKind::chunked_shared_overlap}) {
@@ -76,7 +81,12 @@ int bench(LayerDeck deck, LayerOptions const& o) {
   for (int r = 0; r < o.warmup + o.reps; ++r) {
     for (auto& c : cases) {
       MPI_Barrier(world);
-      auto const rec = c.layer->forward(exec, hidden, c.out);
+      StepRecord rec;
+      {
+        AllocationLog log;
+        rec = c.layer->forward(exec, hidden, c.out);
+        if (r >= o.warmup) c.allocations += static_cast<long>(log.count());
+      }
       double const mine = rec.seconds.at("total");
       double slowest = 0;
       allreduce_watched(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, world, "layer bench: step time", watchdog);
@@ -99,6 +109,8 @@ int bench(LayerDeck deck, LayerOptions const& o) {
     allreduce_watched(&local, &identical, 1, MPI_INT, MPI_MIN, world, "layer bench: outputs", watchdog);
     all_identical &= identical;
     double const s = median(c.seconds);
+    long allocations = 0;
+    allreduce_watched(&c.allocations, &allocations, 1, MPI_LONG, MPI_MAX, world, "layer bench: allocations", watchdog);
     kmoe_bench::print_bench("layer_" + to_string(c.kind) + "_np" + std::to_string(size),
                             {{"algorithm", to_string(deck.exchange.algorithm)},
                              {"chunks", std::to_string(c.chunks)},
@@ -111,7 +123,8 @@ int bench(LayerDeck deck, LayerOptions const& o) {
                              {"dtype", deck.model.dtype},
                              {"step_s", kmoe_bench::fmt(s)},
                              {"serial_step_s", kmoe_bench::fmt(serial_s)},
-                             {"identical", identical ? "yes" : "no"}},
+                             {"identical", identical ? "yes" : "no"},
+                             {"allocations_per_step", kmoe_bench::fmt(static_cast<double>(allocations) / std::max(1, o.reps))}},
                             serial_s > 0 ? s / serial_s : 0.0);
   }
   return all_identical ? 0 : 1;
