@@ -283,10 +283,13 @@ TEST_CASE("repeated steps allocate nothing: forward under every schedule, and fo
   // synchronisation, so a step that allocates cannot overlap anything.
   int const size = kmoe_test::world_size(), rank = kmoe_test::world_rank();
   for (std::string const algorithm : {"flat", "hierarchical", "pooled_wave"}) {
-    for (std::string const schedule : {"serial", "shared_overlap", "chunked", "chunked_shared_overlap"}) {
-      bool const train = schedule == "serial" || schedule == "chunked";
+    for (std::string const schedule : {"serial", "shared_overlap", "chunked", "chunked_shared_overlap", "capacity"}) {
+      bool const train = schedule == "serial" || schedule == "chunked" || schedule == "capacity";
       INFO(algorithm << " " << schedule << (train ? " forward + backward" : " forward") << " at " << size << " ranks");
-      Built b(deck_text(algorithm, size % 2 == 0 ? 2 : 1, schedule), MPI_COMM_WORLD);
+      std::string text = deck_text(algorithm, size % 2 == 0 ? 2 : 1, schedule == "capacity" ? "serial" : schedule);
+      if (schedule == "capacity")  // the router drops routes over an expert's capacity
+        text.replace(text.find("[router]\n"), 9, "[router]\nadmission = \"expert_capacity\"\ncapacity_factor = 0.5\n");
+      Built b(text, MPI_COMM_WORLD);
       Exec exec;
       int const d = b.deck.model.hidden;
       index_t const T = b.deck.tokens.per_rank;
@@ -300,8 +303,9 @@ TEST_CASE("repeated steps allocate nothing: forward under every schedule, and fo
       LayerBackwardOptions bo;
       bo.reproducible_shared = true;
       bo.balance = BalanceLossConfig{};
+      StepRecord last;
       auto step = [&] {
-        b.layer->forward(exec, hidden, out);
+        last = b.layer->forward(exec, hidden, out);
         if (train) b.layer->backward(exec, hidden, dOut, dX, g, bo);
         exec.fence();
       };
@@ -318,6 +322,7 @@ TEST_CASE("repeated steps allocate nothing: forward under every schedule, and fo
       }
       INFO("allocations in the repeated step:\n" << allocated);
       CHECK(allocated.empty());
+      if (schedule == "capacity") CHECK(last.routes.dropped > 0);
       // The reused buffers give the first step's result.
       CHECK(kmoe_test::same_bits(host(train ? dX : out), first));
     }

@@ -22,6 +22,7 @@
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Payload.hpp>
 #include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
 #include <impl/KokkosMoE_OrderKeys.hpp>
 
 #include <cmath>
@@ -219,34 +220,14 @@ void bucket_thresholds(Exec const& exec, Kokkos::View<const index_t*, M> const& 
 /// Host copy of a small device vector (fenced).
 template <class Exec, class View>
 std::vector<index_t> to_host_vector(Exec const& exec, View const& v) {
-  auto h = Kokkos::create_mirror_view(Kokkos::HostSpace(), v);
-  Kokkos::deep_copy(exec, h, v);
-  Compat::fence(exec, "KokkosMoE::Admission::to_host");
-  std::vector<index_t> out(v.extent(0));
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<index_t>(h(i));
-  return out;
+  auto const h = copy_to_host(exec, v);
+  return std::vector<index_t>(h.begin(), h.end());
 }
 
 /// Device copy of a host vector of ints.
 template <class M, class Exec>
 Kokkos::View<int*, M> to_device_ints(Exec const& exec, std::vector<int> const& v, std::string const& label) {
-  Kokkos::View<int*, M> d(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, label), v.size());
-  auto h = Kokkos::create_mirror_view(Kokkos::HostSpace(), d);
-  for (std::size_t i = 0; i < v.size(); ++i) h(i) = v[i];
-  Kokkos::deep_copy(exec, d, h);
-  Compat::fence(exec, "KokkosMoE::Admission::to_device");
-  return d;
-}
-
-/// Device copy of host offsets.
-template <class M, class Exec>
-Kokkos::View<index_t*, M> to_device_offsets(Exec const& exec, std::vector<index_t> const& v, std::string const& label) {
-  Kokkos::View<index_t*, M> d(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, label), v.size());
-  auto h = Kokkos::create_mirror_view(Kokkos::HostSpace(), d);
-  for (std::size_t i = 0; i < v.size(); ++i) h(i) = v[i];
-  Kokkos::deep_copy(exec, d, h);
-  Compat::fence(exec, "KokkosMoE::Admission::to_device");
-  return d;
+  return scratch_copy(static_cast<Workspace<M>*>(nullptr), exec, label, v);
 }
 
 inline std::vector<index_t> exclusive_offsets(std::vector<index_t> const& units) {
@@ -268,11 +249,13 @@ inline std::vector<index_t> exclusive_offsets(std::vector<index_t> const& units)
 /// \param table routes to admit (its accepted mask is recomputed from scratch)
 /// \param priority [T, k] priority of every route; empty: the gates are used
 /// \param protected_tokens [T] nonzero marks a token whose units go first; empty: none
+/// \param ws workspace of the scratch arrays (none: fresh allocations)
 /// \return per-bucket units, capacity and drops, and the route counts
 template <class ExecutionSpace, class MemorySpace>
 AdmissionStats admit(ExecutionSpace const& exec, AdmissionConfig const& config, RouteTable<MemorySpace>& table,
                      Impl::type_identity_t<Kokkos::View<const float**, Kokkos::LayoutRight, MemorySpace>> priority = {},
-                     Impl::type_identity_t<Kokkos::View<const std::uint8_t*, MemorySpace>> protected_tokens = {}) {
+                     Impl::type_identity_t<Kokkos::View<const std::uint8_t*, MemorySpace>> protected_tokens = {},
+                     Workspace<MemorySpace>* ws = nullptr) {
   using M = MemorySpace;
   int const E = table.num_experts();
   index_t const T = table.num_tokens();
@@ -314,8 +297,7 @@ AdmissionStats admit(ExecutionSpace const& exec, AdmissionConfig const& config, 
     stats.units = Impl::to_host_vector(exec, table.expert_counts);
     stats.dropped_units.assign(stats.units.size(), 0);
   } else if (config.policy == AdmissionPolicy::expert_capacity) {
-    Kokkos::View<index_t*, M> units(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Admission::units"),
-                                    E);
+    auto const units = scratch<Kokkos::View<index_t*, M>>(ws, exec, "KokkosMoE::Admission::units", E);
     Impl::route_histogram(exec, T, k, Impl::ExpertBin<M>{expert}, units);
     stats.units = Impl::to_host_vector(exec, units);
     index_t const cap = Impl::capacity_rows(config.capacity_factor, static_cast<double>(T) * k / E);
@@ -328,10 +310,10 @@ AdmissionStats admit(ExecutionSpace const& exec, AdmissionConfig const& config, 
     }
     if (over) {
       auto const off_h = Impl::exclusive_offsets(stats.units);
-      auto offsets = Impl::to_device_offsets<M>(exec, off_h, "KokkosMoE::Admission::offsets");
-      Kokkos::View<index_t*, M> cursor("KokkosMoE::Admission::cursor", E);
-      Kokkos::View<std::uint64_t*, M> keys(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Admission::keys"),
-                                           static_cast<std::size_t>(T * k));
+      auto offsets = scratch_copy(ws, exec, "KokkosMoE::Admission::offsets", off_h);
+      auto const cursor = scratch<Kokkos::View<index_t*, M>>(ws, exec, "KokkosMoE::Admission::cursor", E);
+      Kokkos::deep_copy(exec, cursor, index_t(0));
+      auto const keys = scratch<Kokkos::View<std::uint64_t*, M>>(ws, exec, "KokkosMoE::Admission::keys", T * k);
       Kokkos::parallel_for(
           "KokkosMoE::Admission::bucket_routes", range_t(exec, 0, T), KOKKOS_LAMBDA(index_t t) {
             for (int j = 0; j < k; ++j) {
@@ -340,8 +322,7 @@ AdmissionStats admit(ExecutionSpace const& exec, AdmissionConfig const& config, 
               keys(offsets(e) + pos) = key_of_route(t, j);
             }
           });
-      Kokkos::View<std::uint64_t*, M> thr(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Admission::threshold"),
-                                          E);
+      auto const thr = scratch<Kokkos::View<std::uint64_t*, M>>(ws, exec, "KokkosMoE::Admission::threshold", E);
       Impl::bucket_thresholds<ExecutionSpace, M>(exec, offsets, keys, cap, thr);
       Kokkos::parallel_for(
           "KokkosMoE::Admission::mark_routes", range_t(exec, 0, T), KOKKOS_LAMBDA(index_t t) {
@@ -351,9 +332,8 @@ AdmissionStats admit(ExecutionSpace const& exec, AdmissionConfig const& config, 
     Impl::route_histogram(exec, T, k, Impl::AcceptedExpertBin<M>{expert, accepted}, table.expert_counts);
   } else {
     int const D = config.num_devices;
-    auto device_of = Impl::to_device_ints<M>(exec, config.expert_device, "KokkosMoE::Admission::expert_device");
-    Kokkos::View<index_t*, M> units(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Admission::units"),
-                                    D);
+    auto device_of = scratch_copy(ws, exec, "KokkosMoE::Admission::expert_device", config.expert_device);
+    auto const units = scratch<Kokkos::View<index_t*, M>>(ws, exec, "KokkosMoE::Admission::units", D);
     Impl::route_histogram(exec, T, k, Impl::LeaderDeviceBin<M>{expert, device_of}, units);
     stats.units = Impl::to_host_vector(exec, units);
     index_t rows = 0;
@@ -376,10 +356,10 @@ AdmissionStats admit(ExecutionSpace const& exec, AdmissionConfig const& config, 
         return Impl::admission_key(have_prot && prot(t) != 0, p, t);
       };
       auto const off_h = Impl::exclusive_offsets(stats.units);
-      auto offsets = Impl::to_device_offsets<M>(exec, off_h, "KokkosMoE::Admission::offsets");
-      Kokkos::View<index_t*, M> cursor("KokkosMoE::Admission::cursor", D);
-      Kokkos::View<std::uint64_t*, M> keys(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Admission::keys"),
-                                           static_cast<std::size_t>(rows));
+      auto offsets = scratch_copy(ws, exec, "KokkosMoE::Admission::offsets", off_h);
+      auto const cursor = scratch<Kokkos::View<index_t*, M>>(ws, exec, "KokkosMoE::Admission::cursor", D);
+      Kokkos::deep_copy(exec, cursor, index_t(0));
+      auto const keys = scratch<Kokkos::View<std::uint64_t*, M>>(ws, exec, "KokkosMoE::Admission::keys", rows);
       Impl::LeaderDeviceBin<M> leader{expert, device_of};
       Kokkos::parallel_for(
           "KokkosMoE::Admission::bucket_rows", range_t(exec, 0, T), KOKKOS_LAMBDA(index_t t) {
@@ -390,8 +370,7 @@ AdmissionStats admit(ExecutionSpace const& exec, AdmissionConfig const& config, 
               keys(offsets(d) + pos) = row_key(t, j);
             }
           });
-      Kokkos::View<std::uint64_t*, M> thr(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "KokkosMoE::Admission::threshold"),
-                                          D);
+      auto const thr = scratch<Kokkos::View<std::uint64_t*, M>>(ws, exec, "KokkosMoE::Admission::threshold", D);
       Impl::bucket_thresholds<ExecutionSpace, M>(exec, offsets, keys, cap, thr);
       Kokkos::parallel_for(
           "KokkosMoE::Admission::mark_rows", range_t(exec, 0, T), KOKKOS_LAMBDA(index_t t) {

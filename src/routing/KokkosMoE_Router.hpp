@@ -244,7 +244,7 @@ class Router {
       table = RouteTable<MemorySpace>("KokkosMoE::Router::routes", T, k, E);
     select(exec, logits, table);
     AdmissionStats stats =
-        admit(exec, config_.admission, table, Mat<const float>(affinity_), options.protected_tokens);
+        admit(exec, config_.admission, table, Mat<const float>(affinity_), options.protected_tokens, &work_);
     Compat::fence(exec, "KokkosMoE::Router::route");
     return stats;
   }
