@@ -189,10 +189,14 @@ class LayerRun {
   int run() {
     if (rank_ == 0) print_setup();
     int const every = deck_.run.progress_every > 0 ? deck_.run.progress_every : std::max(1, steps_ / 10);
+    RowMatrix<T, MS> hidden;  // one matrix for every step's rows
     for (int step = 0; step < warmup_ + steps_; ++step) {
       kmoe_app::fault_point(rank_, step);
       bool const measured = step >= warmup_;
-      auto hidden = Setup::hidden_rows<T, MS>(deck_, step, first_, tokens_, rank_);
+      if (step == 0)
+        hidden = Setup::hidden_rows<T, MS>(deck_, step, first_, tokens_, rank_);
+      else
+        Setup::hidden_rows_into(deck_, step, first_, hidden, rank_);
       step_routes(step, hidden);
       std::vector<std::vector<float>> host_out(algorithms_.size());
       for (std::size_t a = 0; a < algorithms_.size(); ++a) forward(a, hidden, measured, host_out[a]);
@@ -675,9 +679,13 @@ int train(LayerDeck const& deck, Options const& opt) {
   StepSeries series;  // the HDF5 time series ([run] hdf5 / --hdf5)
   int const every = std::max(1, steps / 10);
   Kokkos::Timer timer;
+  RowMatrix<float, MS> hidden;  // one matrix for every step's rows
   for (int step = 0; step < steps; ++step) {
     kmoe_app::fault_point(rank, step);
-    auto hidden = Setup::hidden_rows<float, MS>(deck, step, first, tokens, rank);
+    if (step == 0)
+      hidden = Setup::hidden_rows<float, MS>(deck, step, first, tokens, rank);
+    else
+      Setup::hidden_rows_into(deck, step, first, hidden, rank);
     TrainStepRecord const r = trainer.step(exec, hidden);
     loss.push_back(r.loss);
     norm.push_back(r.grad_norm);

@@ -244,28 +244,42 @@ std::optional<Experts::ExpertWeights<T, MS>> shared_weights(Exec const& exec, La
 /// tokens each, in rank order).
 inline index_t first_token(LayerDeck const& d, int rank) { return static_cast<index_t>(rank) * tokens_per_rank(d); }
 
+/// \brief Number of hidden rows of `rank` for a step: `count`, or the
+/// explicit deck's rows of that rank.
+inline index_t hidden_row_count(LayerDeck const& d, index_t count, int rank) {
+  return d.tokens.source == "explicit" ? static_cast<index_t>(d.tokens.ranks.at(static_cast<std::size_t>(rank)).hidden.size()) : count;
+}
+
+/// \brief Writes the hidden rows of a step into m ([hidden_row_count, d]):
+/// element (t, c) = 2u - 1 from (seed, step, first + t, c); explicit decks
+/// give the rows of `rank`. Steps that reuse m allocate nothing.
+template <class T, class MS>
+void hidden_rows_into(LayerDeck const& d, int step, index_t first, RowMatrix<T, MS> const& m, int rank) {
+  int const D = d.model.hidden;
+  index_t const count = static_cast<index_t>(m.extent(0));
+  KOKKOSMOE_REQUIRE(count == hidden_row_count(d, count, rank) && static_cast<int>(m.extent(1)) == D,
+                    "hidden rows: a " << m.extent(0) << "x" << m.extent(1) << " matrix for " << hidden_row_count(d, count, rank)
+                                      << " rows of width " << D);
+  bool const given = d.tokens.source == "explicit";
+  std::vector<T> h(static_cast<std::size_t>(count) * static_cast<std::size_t>(D));
+  for (index_t t = 0; t < count; ++t)
+    for (int c = 0; c < D; ++c) {
+      float const x = given ? d.tokens.ranks.at(static_cast<std::size_t>(rank)).hidden[static_cast<std::size_t>(t)][static_cast<std::size_t>(c)]
+                            : static_cast<float>(2.0 * hash_uniform(d.run.seed, static_cast<std::uint64_t>(step) + 1,
+                                                                    static_cast<std::uint64_t>(first + t), static_cast<std::uint64_t>(c)) -
+                                                 1.0);
+      h[static_cast<std::size_t>(t) * static_cast<std::size_t>(D) + static_cast<std::size_t>(c)] = from_float<T>(x);
+    }
+  Kokkos::deep_copy(m, Kokkos::View<T const**, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
+                           h.data(), static_cast<std::size_t>(count), static_cast<std::size_t>(D)));
+}
+
 /// \brief Hidden rows of `count` tokens starting at global token `first` for
-/// a step: element (t, c) = 2u - 1 from (seed, step, token, c); explicit
-/// decks give the rows of `rank`.
+/// a step (hidden_rows_into a new matrix).
 template <class T, class MS>
 RowMatrix<T, MS> hidden_rows(LayerDeck const& d, int step, index_t first, index_t count, int rank) {
-  int const D = d.model.hidden;
-  if (d.tokens.source == "explicit") {
-    auto const& rows = d.tokens.ranks.at(static_cast<std::size_t>(rank)).hidden;
-    RowMatrix<T, MS> m("KokkosMoE::Setup::hidden", rows.size(), D);
-    auto h = Kokkos::create_mirror_view(m);
-    for (std::size_t t = 0; t < rows.size(); ++t)
-      for (int c = 0; c < D; ++c) h(t, c) = from_float<T>(rows[t][static_cast<std::size_t>(c)]);
-    Kokkos::deep_copy(m, h);
-    return m;
-  }
-  RowMatrix<T, MS> m("KokkosMoE::Setup::hidden", count, D);
-  auto h = Kokkos::create_mirror_view(m);
-  for (index_t t = 0; t < count; ++t)
-    for (int c = 0; c < D; ++c)
-      h(t, c) = from_float<T>(static_cast<float>(2.0 * hash_uniform(d.run.seed, static_cast<std::uint64_t>(step) + 1,
-                                                                    static_cast<std::uint64_t>(first + t), static_cast<std::uint64_t>(c)) - 1.0));
-  Kokkos::deep_copy(m, h);
+  RowMatrix<T, MS> m("KokkosMoE::Setup::hidden", hidden_row_count(d, count, rank), d.model.hidden);
+  hidden_rows_into(d, step, first, m, rank);
   return m;
 }
 
