@@ -73,6 +73,29 @@ std::vector<float> host(V const& v) {
 /// Upstream gradient of global token g, column c (deterministic).
 float upstream(index_t g, int c) { return static_cast<float>(((g * 13 + c * 7) % 19) - 9) / 16.0f; }
 
+/// The upstream gradients of T tokens from global token `first`, row-major.
+std::vector<float> upstream_rows(index_t first, index_t T, int d) {
+  std::vector<float> v(static_cast<std::size_t>(T * d));
+  for (index_t t = 0; t < T; ++t)
+    for (int c = 0; c < d; ++c) v[static_cast<std::size_t>(t * d + c)] = upstream(first + t, c);
+  return v;
+}
+
+/// This rank's rows of a built deck's first step: hidden rows, upstream
+/// gradients (upstream_rows), outputs and input gradients.
+struct RankRows {
+  int d;
+  index_t T;
+  RowMatrix<float, MS> hidden, dOut, out, dX;
+  RankRows(Built const& b, int rank)
+      : d(b.deck.model.hidden),
+        T(b.deck.tokens.per_rank),
+        hidden(Setup::hidden_rows<float, MS>(b.deck, 0, rank * T, T, rank)),
+        dOut(rows_of(upstream_rows(rank * T, T, d), T, d)),
+        out("out", T, d),
+        dX("dX", T, d) {}
+};
+
 double dot(std::vector<float> const& a, std::vector<float> const& b) {
   double s = 0;
   for (std::size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
@@ -125,9 +148,7 @@ TEST_CASE("layer backward equals directional finite differences", "[layer][backw
   int const d = b.deck.model.hidden;
   index_t const T = b.deck.tokens.per_rank;
   auto hidden = Setup::hidden_rows<float, MS>(b.deck, 0, 0, T, 0);
-  std::vector<float> dout(static_cast<std::size_t>(T * d));
-  for (index_t t = 0; t < T; ++t)
-    for (int c = 0; c < d; ++c) dout[static_cast<std::size_t>(t * d + c)] = upstream(t, c);
+  auto const dout = upstream_rows(0, T, d);
   auto dOut = rows_of(dout, T, d);
   RowMatrix<float, MS> out("out", T, d), dX("dX", T, d);
   b.layer->forward(exec, hidden, out);
@@ -177,12 +198,7 @@ TEST_CASE("distributed layer backward equals a single-rank backward of the same 
     index_t const T = dist.deck.tokens.per_rank, N = T * size;
     auto hidden = Setup::hidden_rows<float, MS>(dist.deck, 0, rank * T, T, rank);
     auto hidden1 = Setup::hidden_rows<float, MS>(one.deck, 0, 0, N, 0);
-    std::vector<float> dout(static_cast<std::size_t>(T * d)), dout1(static_cast<std::size_t>(N * d));
-    for (index_t t = 0; t < N; ++t)
-      for (int c = 0; c < d; ++c) {
-        dout1[static_cast<std::size_t>(t * d + c)] = upstream(t, c);
-        if (t / T == rank) dout[static_cast<std::size_t>((t - rank * T) * d + c)] = upstream(t, c);
-      }
+    auto const dout = upstream_rows(rank * T, T, d), dout1 = upstream_rows(0, N, d);
     RowMatrix<float, MS> out("out", T, d), dX("dX", T, d), out1("out1", N, d), dX1("dX1", N, d);
     StepRecord const fwd = dist.layer->forward(exec, hidden, out);
     CHECK(fwd.routes.dropped + fwd.ledger.dispatch.sender_drops + fwd.ledger.dispatch.receiver_drops == 0);
@@ -256,18 +272,12 @@ TEST_CASE("backward after an overlapped or chunked forward equals the serial one
       INFO(algorithm << " " << schedule << " at " << size << " ranks");
       Built b(deck_text(algorithm, size % 2 == 0 ? 2 : 1, schedule), MPI_COMM_WORLD);
       Exec exec;
-      int const d = b.deck.model.hidden;
-      index_t const T = b.deck.tokens.per_rank;
-      auto hidden = Setup::hidden_rows<float, MS>(b.deck, 0, rank * T, T, rank);
-      std::vector<float> dout(static_cast<std::size_t>(T * d));
-      for (index_t t = 0; t < T; ++t)
-        for (int c = 0; c < d; ++c) dout[static_cast<std::size_t>(t * d + c)] = upstream(rank * T + t, c);
-      RowMatrix<float, MS> out("out", T, d), dX("dX", T, d);
-      b.layer->forward(exec, hidden, out);
+      RankRows r(b, rank);
+      b.layer->forward(exec, r.hidden, r.out);
       LayerGradients<MS> g;
-      b.layer->backward(exec, hidden, rows_of(dout, T, d), dX, g);
-      std::vector<float> all = host(out);
-      for (auto const& part : {host(dX), host(g.routed.up), host(g.routed.gate), host(g.routed.down), host(g.router), host(g.shared.up)})
+      b.layer->backward(exec, r.hidden, r.dOut, r.dX, g);
+      std::vector<float> all = host(r.out);
+      for (auto const& part : {host(r.dX), host(g.routed.up), host(g.routed.gate), host(g.routed.down), host(g.router), host(g.shared.up)})
         all.insert(all.end(), part.begin(), part.end());
       results.push_back(all);
       REQUIRE(results.back().size() == results.front().size());
@@ -291,29 +301,22 @@ TEST_CASE("repeated steps allocate nothing: forward under every schedule, and fo
         text.replace(text.find("[router]\n"), 9, "[router]\nadmission = \"expert_capacity\"\ncapacity_factor = 0.5\n");
       Built b(text, MPI_COMM_WORLD);
       Exec exec;
-      int const d = b.deck.model.hidden;
-      index_t const T = b.deck.tokens.per_rank;
-      auto hidden = Setup::hidden_rows<float, MS>(b.deck, 0, rank * T, T, rank);
-      std::vector<float> dout(static_cast<std::size_t>(T * d));
-      for (index_t t = 0; t < T; ++t)
-        for (int c = 0; c < d; ++c) dout[static_cast<std::size_t>(t * d + c)] = upstream(rank * T + t, c);
-      RowMatrix<float, MS> out("out", T, d), dX("dX", T, d);
-      auto const dOut = rows_of(dout, T, d);
+      RankRows r(b, rank);
       LayerGradients<MS> g;
       LayerBackwardOptions bo;
       bo.reproducible_shared = true;
       bo.balance = BalanceLossConfig{};
       StepRecord last;
       auto step = [&] {
-        last = b.layer->forward(exec, hidden, out);
-        if (train) b.layer->backward(exec, hidden, dOut, dX, g, bo);
+        last = b.layer->forward(exec, r.hidden, r.out);
+        if (train) b.layer->backward(exec, r.hidden, r.dOut, r.dX, g, bo);
         exec.fence();
       };
       // The workspaces and the gradients reach their sizes (a step may still
       // hold the last one's buffers while it takes its own).
       step();
       step();
-      std::vector<float> const first = host(train ? dX : out);
+      std::vector<float> const first = host(train ? r.dX : r.out);
       std::string allocated;
       {
         AllocationLog log;
@@ -324,7 +327,7 @@ TEST_CASE("repeated steps allocate nothing: forward under every schedule, and fo
       CHECK(allocated.empty());
       if (schedule == "capacity") CHECK(last.routes.dropped > 0);
       // The reused buffers give the first step's result.
-      CHECK(kmoe_test::same_bits(host(train ? dX : out), first));
+      CHECK(kmoe_test::same_bits(host(train ? r.dX : r.out), first));
     }
   }
 }
