@@ -89,14 +89,10 @@ std::vector<typename V::non_const_value_type> host_vector(V const& v) {
   return copy_to_host(typename V::execution_space(), v);
 }
 
-/// Device copy of a host vector.
+/// Device copy of a host vector (a fresh view; see scratch_copy).
 template <class MS, class T>
 Kokkos::View<T*, MS> device_vector(std::vector<T> const& v, char const* label) {
-  Kokkos::View<T*, MS> d(std::string(label), v.size());
-  auto h = Kokkos::create_mirror_view(d);
-  for (std::size_t i = 0; i < v.size(); ++i) h(i) = v[i];
-  Kokkos::deep_copy(d, h);
-  return d;
+  return scratch_copy(static_cast<Workspace<MS>*>(nullptr), typename MS::execution_space(), label, v);
 }
 
 /// Rows i of [0, n) whose inverse repack position inv(i) is not where the
