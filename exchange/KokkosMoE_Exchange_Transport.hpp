@@ -21,6 +21,7 @@
 #include <KokkosMoE_RowKit.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
 #include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
 #include <KokkosMoE_config.hpp>
 
 #include <mpi.h>
@@ -247,7 +248,8 @@ void copy_self_rows(Exec const& exec, DstView const& dst, std::vector<std::pair<
 template <class Exec, class MS>
 RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MS>> const& sets,
                                 std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
-                                TransportOptions const& options = {}, bool start = false) {
+                                TransportOptions const& options = {}, bool start = false,
+                                Workspace<Kokkos::HostSpace>* staging = nullptr) {
   int const P = comm.size();
   int const me = comm.my_slot();
   KOKKOSMOE_REQUIRE(static_cast<int>(send_counts.size()) == P && static_cast<int>(recv_counts.size()) == P,
@@ -312,11 +314,16 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
   // Host staging: copy send rows out, receive into host rows, copy back.
   // The receive rows start as the device rows, so that a receive of fewer
   // rows than its count (receives_up_to) leaves the rest as it was. The
-  // copies are new even for host memory (stage_through_host).
-  std::vector<typename Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS>::HostMirror> hs, hr;
+  // copies are separate even for host memory (stage_through_host), and
+  // come from `staging` when given (no allocation in repeated steps).
+  using host_rows = Kokkos::View<unsigned char**, Kokkos::LayoutRight, Kokkos::HostSpace>;
+  std::vector<host_rows> hs, hr;
+  Kokkos::DefaultHostExecutionSpace const host;
   for (auto const& s : sets) {
-    hs.push_back(Kokkos::create_mirror(s.send));
-    hr.push_back(Kokkos::create_mirror(s.recv));
+    hs.push_back(scratch<host_rows>(staging, host, "KokkosMoE::Exchange::staged_send", static_cast<index_t>(s.send.extent(0)),
+                                    s.send.extent(1)));
+    hr.push_back(scratch<host_rows>(staging, host, "KokkosMoE::Exchange::staged_recv", static_cast<index_t>(s.recv.extent(0)),
+                                    s.recv.extent(1)));
     Kokkos::deep_copy(exec, hs.back(), s.send);
     Kokkos::deep_copy(exec, hr.back(), s.recv);
   }
@@ -392,13 +399,16 @@ class MpiTransport final : public Transport<Exec, MemorySpace> {
   void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                  std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
                  TransportOptions const& options) override {
-    mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options);
+    mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options, /*start=*/false, &staging_);
   }
   RowsInFlight start_alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
                                TransportOptions const& options) override {
-    return mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options, /*start=*/true);
+    return mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options, /*start=*/true, &staging_);
   }
+
+ private:
+  Workspace<Kokkos::HostSpace> staging_{"KokkosMoE::Exchange::MpiTransport"};  ///< host rows of staged transfers
 };
 
 /// \brief Runs that place each peer's runs of the given lengths one after

@@ -22,6 +22,7 @@
 #include <KokkosMoE_Experts_Backward.hpp>
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Placement.hpp>
+#include <KokkosMoE_Workspace.hpp>
 
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
@@ -171,8 +172,10 @@ class ReplicaGradients {
   /// replica's gradients become the sum over all replicas of its expert.
   /// \param generation the placement generation the gradients were computed
   ///   under; another generation's gradients are refused (before any message).
+  /// \param ws where the packed gradients live between steps (a fresh
+  ///   buffer per set when none is given).
   template <class Exec, class MS>
-  void reduce(Exec const& exec, ExpertGradients<MS>& grads, std::uint64_t generation) {
+  void reduce(Exec const& exec, ExpertGradients<MS>& grads, std::uint64_t generation, Workspace<MS>* ws = nullptr) {
     KOKKOSMOE_REQUIRE(generation == generation_, "ReplicaGradients::reduce: gradients of placement generation "
                                                      << generation << ", the replica sets are of generation " << generation_);
     Compat::ScopedRegion region("KokkosMoE::Experts::ReplicaGradients::reduce");
@@ -182,9 +185,11 @@ class ReplicaGradients {
       if (set.comm == MPI_COMM_NULL && !holds_any(i)) continue;
       std::vector<std::vector<int>> const& local = local_slots_[i];
       std::size_t const count = per * set.experts.size();
-      Kokkos::View<float*, MS> buf("KokkosMoE::Experts::ReplicaGradients::buffer", count);
+      auto const buf = scratch<Kokkos::View<float*, MS>>(ws, exec, "KokkosMoE::Experts::ReplicaGradients::buffer",
+                                                         static_cast<index_t>(count));
       Impl::pack_replicas(exec, grads, local, per, buf);
-      auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), buf);
+      copy_to_host(exec, buf, host_);
+      auto& host = host_;
       if (set.comm != MPI_COMM_NULL) {
         // Reduce to the set's first rank in a fixed order, then broadcast:
         // every member gets the same bits.
@@ -195,7 +200,7 @@ class ReplicaGradients {
         if (set_rank == 0) std::copy(sum.begin(), sum.end(), host.data());
         MPI_Bcast(host.data(), static_cast<int>(count), MPI_FLOAT, 0, set.comm);
       }
-      Kokkos::deep_copy(buf, host);  // blocking: host is released at the end of the iteration
+      copy_from_host(exec, host, buf);
       Impl::unpack_replicas(exec, buf, local, per, grads);
     }
     Compat::fence(exec, "KokkosMoE::Experts::ReplicaGradients::reduce");
@@ -265,6 +270,7 @@ class ReplicaGradients {
   std::uint64_t generation_ = 0;
   int rank_ = 0;
   double watchdog_ = 300.0;
+  std::vector<float> host_;  ///< one set's packed gradients on the host (kept between steps)
 };
 
 }  // namespace Experts

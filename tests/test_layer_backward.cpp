@@ -288,17 +288,21 @@ TEST_CASE("backward after an overlapped or chunked forward equals the serial one
 
 TEST_CASE("repeated steps allocate nothing: forward under every schedule, and forward + backward", "[layer][backward][memory][mpi]") {
   // Plans, sorts, stage tables and saved activations come from the layer's
-  // and the exchanges' workspaces; host tables are copied without mirrors.
+  // and the exchanges' workspaces, host-staged rows from the transport's;
+  // host tables are copied without mirrors.
   // On a GPU every allocation is a cudaMalloc and every release a device
   // synchronisation, so a step that allocates cannot overlap anything.
   int const size = kmoe_test::world_size(), rank = kmoe_test::world_rank();
   for (std::string const algorithm : {"flat", "hierarchical", "pooled_wave"}) {
-    for (std::string const schedule : {"serial", "shared_overlap", "chunked", "chunked_shared_overlap", "capacity"}) {
-      bool const train = schedule == "serial" || schedule == "chunked" || schedule == "capacity";
+    for (std::string const schedule : {"serial", "shared_overlap", "chunked", "chunked_shared_overlap", "capacity", "staged"}) {
+      bool const train = schedule == "serial" || schedule == "chunked" || schedule == "capacity" || schedule == "staged";
+      bool const variant = schedule == "capacity" || schedule == "staged";
       INFO(algorithm << " " << schedule << (train ? " forward + backward" : " forward") << " at " << size << " ranks");
-      std::string text = deck_text(algorithm, size % 2 == 0 ? 2 : 1, schedule == "capacity" ? "serial" : schedule);
+      std::string text = deck_text(algorithm, size % 2 == 0 ? 2 : 1, variant ? "serial" : schedule);
       if (schedule == "capacity")  // the router drops routes over an expert's capacity
         text.replace(text.find("[router]\n"), 9, "[router]\nadmission = \"expert_capacity\"\ncapacity_factor = 0.5\n");
+      if (schedule == "staged")  // rows through host copies, as MPI without device support moves them
+        text.replace(text.find("[exchange]\n"), 11, "[exchange]\nstage_through_host = true\n");
       Built b(text, MPI_COMM_WORLD);
       Exec exec;
       RankRows r(b, rank);

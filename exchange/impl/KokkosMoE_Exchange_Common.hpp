@@ -245,12 +245,7 @@ class ExchangeBase {
                                             index_t spare_rows = 0) {
     h.expert_counts = std::move(counts);
     h.expert_offsets = offsets_of(h.expert_counts);
-    h.expert_offsets_d = work_.template vector<index_t>(exec, "expert_offsets", static_cast<index_t>(h.expert_offsets.size()));
-    {
-      auto hv = Kokkos::create_mirror_view(h.expert_offsets_d);
-      for (std::size_t i = 0; i < h.expert_offsets.size(); ++i) hv(i) = h.expert_offsets[i];
-      Kokkos::deep_copy(exec, h.expert_offsets_d, hv);
-    }
+    h.expert_offsets_d = scratch_copy(&work_, exec, "expert_offsets", h.expert_offsets);
     index_t const n = h.expert_offsets.back();
     auto all = work_.template matrix<T>(exec, "expert_rows", n + spare_rows, static_cast<std::size_t>(width));
     h.expert_rows = Kokkos::subview(all, std::make_pair(index_t(0), n), Kokkos::ALL);

@@ -88,23 +88,35 @@ struct GroupedProblems {
   int count() const { return static_cast<int>(m.size()); }
 };
 
-/// Y_q = op(A_q) op(B_q) for every problem of p in one cublasGemmGroupedBatchedEx.
+/// The operand pointer arrays of grouped calls in one device buffer from
+/// ws, filled by one copy from the host: per call, [A... | B... | C...]
+/// (as integers: a View of void* would read as a rank-2 view of void).
+/// Returns each call's arrays (null for a call without problems).
 template <class MS>
-void grouped_gemm(cublasHandle_t h, Kokkos::Cuda const& exec, GroupedProblems const& p, cudaDataType_t ab_type,
-                  cudaDataType_t c_type, Workspace<MS>& ws, char const* label) {
+std::vector<void* const*> upload_operands(Kokkos::Cuda const& exec, std::vector<GroupedProblems const*> const& calls, Workspace<MS>& ws,
+                                         char const* label) {
+  std::vector<std::uintptr_t> host;
+  std::vector<std::size_t> at;
+  for (GroupedProblems const* p : calls) {
+    at.push_back(host.size());
+    for (auto const* a : p->a) host.push_back(reinterpret_cast<std::uintptr_t>(a));
+    for (auto const* b : p->b) host.push_back(reinterpret_cast<std::uintptr_t>(b));
+    for (auto* c : p->c) host.push_back(reinterpret_cast<std::uintptr_t>(c));
+  }
+  std::vector<void* const*> arrays(calls.size(), nullptr);
+  if (host.empty()) return arrays;
+  auto const dev = scratch_copy(&ws, exec, label, host);
+  for (std::size_t i = 0; i < calls.size(); ++i)
+    if (calls[i]->count() > 0) arrays[i] = reinterpret_cast<void* const*>(dev.data() + at[i]);
+  return arrays;
+}
+
+/// Y_q = op(A_q) op(B_q) for every problem of p in one
+/// cublasGemmGroupedBatchedEx, with the operand arrays of upload_operands.
+inline void grouped_gemm(cublasHandle_t h, GroupedProblems const& p, void* const* arrays, cudaDataType_t ab_type, cudaDataType_t c_type,
+                         char const* label) {
   int const g = p.count();
   if (g == 0) return;
-  // Pointer arrays: [A... | B... | C...] in one device buffer (as integers:
-  // a View of void* would read as a rank-2 view of void).
-  auto ptrs = ws.template vector<std::uintptr_t>(exec, label, 3 * static_cast<index_t>(g));
-  auto host = Kokkos::create_mirror_view(ptrs);
-  for (int i = 0; i < g; ++i) {
-    host(i) = reinterpret_cast<std::uintptr_t>(p.a[static_cast<std::size_t>(i)]);
-    host(g + i) = reinterpret_cast<std::uintptr_t>(p.b[static_cast<std::size_t>(i)]);
-    host(2 * g + i) = reinterpret_cast<std::uintptr_t>(p.c[static_cast<std::size_t>(i)]);
-  }
-  Kokkos::deep_copy(exec, ptrs, host);
-  auto const* arrays = reinterpret_cast<void* const*>(ptrs.data());
   Compat::ScopedRegion region(label);
   cublasStatus_t const status =
       cublasGemmGroupedBatchedEx(h, p.ta.data(), p.tb.data(), p.m.data(), p.n.data(), p.k.data(), p.alpha.data(),
@@ -124,9 +136,6 @@ void grouped_gemm(cublasHandle_t h, Kokkos::Cuda const& exec, GroupedProblems co
   } else {
     cublas_check(status, "cublasGemmGroupedBatchedEx");
   }
-  // The host arrays above are read when the call is enqueued; the mirror of
-  // the pointers must outlive the copy, which deep_copy from pageable
-  // memory completes before returning.
 }
 
 /// Row-major grouped products of one element type (float: FP32 in and out;
@@ -143,7 +152,8 @@ struct GroupedGemmVendor<Kokkos::Cuda, T, std::enable_if_t<std::is_same<T, float
     for (auto const& r : list)
       if (r.M > 0 && r.N > 0 && r.K > 0) p.add(column_major(r));
     if (p.count() == 0) return 0;
-    grouped_gemm(cublas_handle(exec), exec, p, cuda_data_type<T>(), cuda_data_type<T>(), ws, label);
+    auto const arrays = upload_operands(exec, {&p}, ws, "cublas_operands");
+    grouped_gemm(cublas_handle(exec), p, arrays[0], cuda_data_type<T>(), cuda_data_type<T>(), label);
     return 1;
   }
 };
@@ -192,9 +202,11 @@ struct GroupedVendor<Kokkos::Cuda, WT, XT, YT,
       p2.add(d, r, f, down.data() + q * per_w, f, H.data() + static_cast<std::size_t>(b) * f, f,
              y_out + static_cast<std::size_t>(b) * d, d);
     }
+    // Both phases' operand arrays in one copy before the first launch.
+    auto const arrays = upload_operands(exec, {&p1, &p2}, ws, "cublas_operands");
     cublasHandle_t h = cublas_handle(exec);
     cudaDataType_t const wt = cuda_data_type<WT>();
-    grouped_gemm(h, exec, p1, wt, wt, ws, "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase1]");
+    grouped_gemm(h, p1, arrays[0], wt, wt, "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase1]");
     std::size_t const total = static_cast<std::size_t>(n) * static_cast<std::size_t>(f);
     Kokkos::parallel_for(
         "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,swiglu]",
@@ -202,7 +214,7 @@ struct GroupedVendor<Kokkos::Cuda, WT, XT, YT,
           std::size_t const r = i / static_cast<std::size_t>(f), j = i - r * static_cast<std::size_t>(f);
           H(r, j) = from_float<WT>(silu(to_float(GU(r, j))) * to_float(GU(r, f + j)));
         });
-    grouped_gemm(h, exec, p2, wt, wt, ws, "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase2]");
+    grouped_gemm(h, p2, arrays[1], wt, wt, "KokkosMoE::Experts::Runner::grouped[TPL_CUBLAS,phase2]");
     if constexpr (widen) {
       std::size_t const out = static_cast<std::size_t>(n) * static_cast<std::size_t>(d);
       auto const* src = Yw.data();

@@ -46,6 +46,8 @@ KOKKOS_INLINE_FUNCTION float ceil(float x) { return Kokkos::ceil(x); }
 KOKKOS_INLINE_FUNCTION float floor(float x) { return Kokkos::floor(x); }
 KOKKOS_INLINE_FUNCTION bool isnan(float x) { return Kokkos::isnan(x); }
 KOKKOS_INLINE_FUNCTION bool isinf(float x) { return Kokkos::isinf(x); }
+KOKKOS_INLINE_FUNCTION bool isfinite(double x) { return Kokkos::isfinite(x); }
+KOKKOS_INLINE_FUNCTION double nearbyint(double x) { return Kokkos::nearbyint(x); }
 #else
 KOKKOS_INLINE_FUNCTION float exp(float x) { return Kokkos::Experimental::exp(x); }
 KOKKOS_INLINE_FUNCTION double exp(double x) { return Kokkos::Experimental::exp(x); }
@@ -57,6 +59,8 @@ KOKKOS_INLINE_FUNCTION float ceil(float x) { return Kokkos::Experimental::ceil(x
 KOKKOS_INLINE_FUNCTION float floor(float x) { return Kokkos::Experimental::floor(x); }
 KOKKOS_INLINE_FUNCTION bool isnan(float x) { return Kokkos::Experimental::isnan(x); }
 KOKKOS_INLINE_FUNCTION bool isinf(float x) { return Kokkos::Experimental::isinf(x); }
+KOKKOS_INLINE_FUNCTION bool isfinite(double x) { return Kokkos::Experimental::isfinite(x); }
+KOKKOS_INLINE_FUNCTION double nearbyint(double x) { return Kokkos::Experimental::nearbyint(x); }
 #endif
 
 /// \brief a * b rounded on its own: never fused with a following add into one
@@ -88,6 +92,17 @@ inline void fence(ExecutionSpace const& space, char const* label) {
 #else
   (void)label;
   space.fence();
+#endif
+}
+
+/// \brief Fences every execution space instance (Kokkos::fence), labelled
+/// where the Kokkos version supports it.
+inline void fence_all(char const* label) {
+#if KOKKOSMOE_KOKKOS_MODERN
+  Kokkos::fence(label);
+#else
+  (void)label;
+  Kokkos::fence();
 #endif
 }
 

@@ -159,15 +159,33 @@ V scratch(Workspace<MS>* ws, Exec const& exec, std::string const& label, index_t
   }
 }
 
-/// \brief Host rows of a contiguous rank-1 view, copied on exec and fenced,
-/// without a host mirror (a mirror is an allocation, and on a device its
-/// release fences every stream).
+namespace Impl {
+/// A rank-1 view of another view's elements in its memory space: the view
+/// itself for rank 1, its contiguous span (row-major order for LayoutRight)
+/// as an unmanaged rank-1 view otherwise.
+template <class V>
+auto flat_elements(V const& v) {
+  if constexpr (Compat::view_rank<V> == 1) {
+    return v;
+  } else {
+    KOKKOSMOE_REQUIRE(v.span_is_contiguous(), "host copy of '" << v.label() << "': the view is not contiguous");
+    return Kokkos::View<typename V::value_type*, typename V::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(v.data(),
+                                                                                                                   v.size());
+  }
+}
+}  // namespace Impl
+
+/// \brief Host values of a view (rank 1, or a contiguous view of any rank in
+/// its element order), copied on exec and fenced, without a host mirror (a
+/// mirror is an allocation, and on a device its release fences every
+/// stream).
 template <class Exec, class V>
 void copy_to_host(Exec const& exec, V const& v, std::vector<typename V::non_const_value_type>& out) {
   using T = typename V::non_const_value_type;
-  out.resize(v.extent(0));
+  auto const flat = Impl::flat_elements(v);
+  out.resize(flat.extent(0));
   if (out.empty()) return;
-  Kokkos::deep_copy(exec, Kokkos::View<T*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(out.data(), out.size()), v);
+  Kokkos::deep_copy(exec, Kokkos::View<T*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(out.data(), out.size()), flat);
   Compat::fence(exec, "KokkosMoE::copy_to_host");
 }
 
@@ -178,14 +196,16 @@ std::vector<typename V::non_const_value_type> copy_to_host(Exec const& exec, V c
   return out;
 }
 
-/// \brief Copies host values into the front of a contiguous rank-1 view on
-/// exec and fences (the host vector may go right after), without a mirror.
+/// \brief Copies host values into the front of a view (rank 1, or a
+/// contiguous view of any rank in its element order) on exec and fences (the
+/// host vector may go right after), without a mirror.
 template <class Exec, class V>
 void copy_from_host(Exec const& exec, std::vector<typename V::non_const_value_type> const& in, V const& v) {
   using T = typename V::non_const_value_type;
-  KOKKOSMOE_REQUIRE(in.size() <= v.extent(0), "copy_from_host: " << in.size() << " values for " << v.extent(0) << " entries");
+  auto const flat = Impl::flat_elements(v);
+  KOKKOSMOE_REQUIRE(in.size() <= flat.extent(0), "copy_from_host: " << in.size() << " values for " << flat.extent(0) << " entries");
   if (in.empty()) return;
-  Kokkos::deep_copy(exec, Kokkos::subview(v, std::pair<std::size_t, std::size_t>(0, in.size())),
+  Kokkos::deep_copy(exec, Kokkos::subview(flat, std::pair<std::size_t, std::size_t>(0, in.size())),
                     Kokkos::View<T const*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(in.data(), in.size()));
   Compat::fence(exec, "KokkosMoE::copy_from_host");
 }

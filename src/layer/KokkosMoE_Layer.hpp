@@ -387,11 +387,7 @@ class MoELayer {
       auto const& a = h1[static_cast<std::size_t>(w)];
       auto const& b = h2[static_cast<std::size_t>(w)];
       bool same = a.expert_offsets == b.expert_offsets && a.arrival_key.extent(0) == b.arrival_key.extent(0);
-      if (same && merged) {
-        auto const ka = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), a.arrival_key);
-        auto const kb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b.arrival_key);
-        for (std::size_t i = 0; i < ka.extent(0) && same; ++i) same = ka(i) == kb(i);
-      }
+      if (same && merged) same = copy_to_host(exec, a.arrival_key) == copy_to_host(exec, b.arrival_key);
       if (!same) problem = "wave " + std::to_string(w) + ": the gradient rows arrived in another expert-major order than the forward's";
     }
     agree(ep, problem, "MoE layer backward", watchdog);
@@ -454,16 +450,14 @@ class MoELayer {
   /// broadcast (the same bits everywhere).
   template <class V>
   static void sum_over_ranks(ExecutionSpace const& exec, V const& g, MPI_Comm comm, double watchdog) {
-    Compat::fence(exec, "KokkosMoE::Layer::backward: gradients before their sum");
-    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), g);
-    std::vector<float> sum(h.size());
+    std::vector<float> h = copy_to_host(exec, g), sum(h.size());
     int rank = 0;
     MPI_Comm_rank(comm, &rank);
     (void)watchdog;
     MPI_Reduce(h.data(), rank == 0 ? sum.data() : nullptr, static_cast<int>(h.size()), MPI_FLOAT, MPI_SUM, 0, comm);
-    if (rank == 0) std::copy(sum.begin(), sum.end(), h.data());
+    if (rank == 0) h.swap(sum);
     MPI_Bcast(h.data(), static_cast<int>(h.size()), MPI_FLOAT, 0, comm);
-    Kokkos::deep_copy(g, h);  // blocking: h is a local host copy
+    copy_from_host(exec, h, g);
   }
 
   /// Shared experts: each sees every token; dX += the sum of their input gradients.
@@ -488,15 +482,12 @@ class MoELayer {
     int const S = shared_->num_slots(), d = config_.hidden;
     index_t const n = static_cast<index_t>(hidden.extent(0));
     // One block's gradients (kept by the layer: no allocation per step),
-    // staged on the host straight into the sum's term vector.
+    // observed and added on the device.
     auto& gb = shared_block_grads_;
     if (gb.num_slots() != shared_->num_slots() || gb.d() != d || gb.d_ff() != shared_->d_ff())
       gb = Experts::ExpertGradients<MemorySpace>(*shared_);
     std::size_t const ng = gb.gate.size(), nu = gb.up.size(), nd = gb.down.size();
-    FixedPointSum sum(ng + nu + nd);
-    std::vector<float> term(sum.size());
-    using host_tensor = Kokkos::View<float***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-    auto in_term = [&](auto const& v, std::size_t at) { return host_tensor(term.data() + at, v.extent(0), v.extent(1), v.extent(2)); };
+    FixedPointSum<MemorySpace> sum(exec, ng + nu + nd, &work_, "bwd_shared_sum");
     auto block_gradients = [&](index_t b0, index_t b1, bool input_gradient) {
       std::pair<index_t, index_t> const rows(b0, b1);
       RowMatrix<T, MemorySpace> const hid = Kokkos::subview(hidden, rows, Kokkos::ALL);
@@ -506,25 +497,26 @@ class MoELayer {
       auto dxs = work_.template matrix<float>(exec, "bwd_shared_dx", (b1 - b0) * S, static_cast<std::size_t>(d));
       backward_.backward(exec, *shared_, x, shared_offsets(b1 - b0), dy, dxs, gb);
       if (input_gradient) add_shared(exec, dxs, RowMatrix<T, MemorySpace>(Kokkos::subview(dX, rows, Kokkos::ALL)));
-      Compat::fence(exec, "KokkosMoE::Layer::backward: shared block gradients");
-      Kokkos::deep_copy(in_term(gb.gate, 0), gb.gate);
-      Kokkos::deep_copy(in_term(gb.up, ng), gb.up);
-      Kokkos::deep_copy(in_term(gb.down, ng + nu), gb.down);
     };
     for (index_t b0 = 0; b0 < n; b0 += block) {
       block_gradients(b0, std::min<index_t>(n, b0 + block), true);
-      sum.observe(term.data());
+      sum.observe(exec, gb.gate, 0);
+      sum.observe(exec, gb.up, ng);
+      sum.observe(exec, gb.down, ng + nu);
     }
-    sum.agree_scale(comm, (n + block - 1) / block, watchdog);
+    sum.agree_scale(exec, comm, (n + block - 1) / block, watchdog);
     for (index_t b0 = 0; b0 < n; b0 += block) {
       block_gradients(b0, std::min<index_t>(n, b0 + block), false);
-      sum.add(term.data());
+      sum.add(exec, gb.gate, 0);
+      sum.add(exec, gb.up, ng);
+      sum.add(exec, gb.down, ng + nu);
     }
-    sum.result(comm, term.data(), watchdog);
+    auto const total = sum.result(exec, comm, watchdog);
     if (g.num_slots() != gb.num_slots() || g.d() != gb.d()) g = Experts::ExpertGradients<MemorySpace>(*shared_);
-    Kokkos::deep_copy(g.gate, in_term(g.gate, 0));
-    Kokkos::deep_copy(g.up, in_term(g.up, ng));
-    Kokkos::deep_copy(g.down, in_term(g.down, ng + nu));
+    using range = std::pair<std::size_t, std::size_t>;
+    Kokkos::deep_copy(exec, Impl::flat_elements(g.gate), Kokkos::subview(total, range(0, ng)));
+    Kokkos::deep_copy(exec, Impl::flat_elements(g.up), Kokkos::subview(total, range(ng, ng + nu)));
+    Kokkos::deep_copy(exec, Impl::flat_elements(g.down), Kokkos::subview(total, range(ng + nu, ng + nu + nd)));
   }
 
   /// rows [n, d] once per shared expert ([S n, d]; rows itself for one).
@@ -715,8 +707,7 @@ class MoELayer {
                            times[static_cast<std::size_t>(i)].end});
     {
       Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "statistics");
-      auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), table.expert_counts);
-      rec.expert_counts.assign(h.data(), h.data() + h.extent(0));
+      copy_to_host(exec, table.expert_counts, rec.expert_counts);
     }
   }
 

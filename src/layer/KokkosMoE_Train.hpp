@@ -191,7 +191,7 @@ class Trainer {
     bo.reproducible_shared = config_.reproducible_shared;
     rec.backward = student_.backward(exec, hidden, dout_, dx_, grads_, bo);
     rec.balance_loss = rec.backward.balance_loss;
-    replicas_.reduce(exec, grads_.routed, student_.placement().generation());
+    replicas_.reduce(exec, grads_.routed, student_.placement().generation(), &work_);
     rec.grad_norm = grad_norm(exec, ep, watchdog);
     apply(exec);
     Compat::fence(exec, "KokkosMoE::Trainer::step");
@@ -259,6 +259,7 @@ class Trainer {
   TrainConfig config_;
   Optimizer<ExecutionSpace, MemorySpace> optimizer_;
   Experts::ReplicaGradients replicas_;
+  Workspace<MemorySpace> work_{"KokkosMoE::Trainer"};
   LayerGradients<MemorySpace> grads_;
   RowMatrix<float, MemorySpace> out_, target_, dout_, dx_;
 };

@@ -15,6 +15,7 @@
 
 #include <KokkosMoE_Error.hpp>
 #include <KokkosMoE_Types.hpp>
+#include <KokkosMoE_Workspace.hpp>
 
 #include <cstdint>
 #include <string>
@@ -55,10 +56,10 @@ class LoadEstimate {
   /// \brief Adds the accepted-route counts of a RouteTable (copied to host).
   template <class MemorySpace>
   void observe(std::int64_t step, int layer, RouteTable<MemorySpace> const& routes) {
-    auto const host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), routes.expert_counts);
-    std::vector<std::int64_t> counts(host.extent(0));
-    for (std::size_t e = 0; e < counts.size(); ++e) counts[e] = static_cast<std::int64_t>(host(e));
-    observe(step, layer, counts);
+    // The table may come from any instance: every one completes first.
+    Compat::fence_all("KokkosMoE::LoadEstimate::observe: counts complete");
+    auto const host = copy_to_host(typename MemorySpace::execution_space(), routes.expert_counts);
+    observe(step, layer, std::vector<std::int64_t>(host.begin(), host.end()));
   }
 
   /// \brief [L][E] estimated load (0 for a layer not observed yet).

@@ -50,16 +50,17 @@ WaveMerge<MemorySpace> merge_waves(Exec const& exec, std::vector<Exchange::Dispa
     index_t row;
   };
   std::vector<std::vector<Entry>> per_slot(L);
+  std::vector<std::int64_t> key;
   for (std::size_t w = 0; w < waves.size(); ++w) {
     auto const& h = waves[w];
     KOKKOSMOE_REQUIRE(h.expert_counts.size() == L && h.expert_offsets.size() == L + 1,
                       "wave merge: wave " << w << " has " << h.expert_counts.size() << " local slots, wave 0 has " << L);
     KOKKOSMOE_REQUIRE(static_cast<index_t>(h.arrival_key.extent(0)) == h.rows(),
                       "wave merge: wave " << w << " has " << h.arrival_key.extent(0) << " arrival keys for " << h.rows() << " rows");
-    auto const key = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), h.arrival_key);
+    copy_to_host(exec, h.arrival_key, key);
     for (std::size_t q = 0; q < L; ++q)
       for (index_t c = h.expert_offsets[q]; c < h.expert_offsets[q + 1]; ++c)
-        per_slot[q].push_back(Entry{key(c), static_cast<int>(w), c});
+        per_slot[q].push_back(Entry{key[static_cast<std::size_t>(c)], static_cast<int>(w), c});
   }
   m.offsets.assign(L + 1, 0);
   std::vector<std::vector<index_t>> merged(waves.size());
