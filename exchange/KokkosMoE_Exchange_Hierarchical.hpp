@@ -369,7 +369,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       // The combine's last stage receives each peer's rows straight into the
       // plan's send order: stage-1 position p returns to plan position
       // perm1(p), in runs of consecutive positions.
-      auto const perm1 = Impl::host_vector(st.s1.send_perm);
+      auto const perm1 = Impl::host_vector(exec, st.s1.send_perm);
       st.s1_return_runs.assign(st.s1.send_counts.size(), {});
       index_t at = 0;
       for (std::size_t k = 0; k < st.s1.send_counts.size(); ++k) {
@@ -456,7 +456,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
           if (node_of(dst) == my_node && dst != me) ++bad;
         },
         misrouted);
-    auto const h = Impl::host_vector(hist);
+    auto const h = Impl::host_vector(exec, hist);
     st.s2 = StageRecord<MS>{};
     st.s2.name = "relay to relay";
     st.s2.comm = 2;
@@ -562,7 +562,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
           Kokkos::atomic_add(&hist(b), index_t(1));
         },
         foreign);
-    auto const h = Impl::host_vector(hist);
+    auto const h = Impl::host_vector(exec, hist);
     agree(comms.ep().comm(), problem_of([&] {
             KOKKOSMOE_REQUIRE(foreign == 0, foreign << " rows for other nodes reached relay " << me << " of node " << my_node);
           }),
@@ -1031,7 +1031,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
           if (n == my_node) ++bad;
         },
         misrouted);
-    auto const h = Impl::host_vector(hist);
+    auto const h = Impl::host_vector(exec, hist);
     bool const relay = comms.is_relay();
     st.s2 = StageRecord<MS>{};
     st.s2.name = "relay to relay";
@@ -1072,7 +1072,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     }
     // The own parts cut where the origin or the slot changes: one run per
     // (origin, slot), as the receiver lays them out.
-    st.s2_own_runs = split_at_slots(n1 > 0 ? Impl::host_vector(f.r1_meta) : std::vector<RowMeta>{}, own_pieces);
+    st.s2_own_runs = split_at_slots(n1 > 0 ? Impl::host_vector(exec, f.r1_meta) : std::vector<RowMeta>{}, own_pieces);
     agree(ep.comm(), problem_of([&] {
             KOKKOSMOE_REQUIRE(misrouted == 0, misrouted << " rows for ranks of this node arrived at rank " << me << " as transit");
             KOKKOSMOE_REQUIRE(relay || n1 == 0, n1 << " transit rows arrived at rank " << me << ", which is not a relay");
@@ -1236,8 +1236,8 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
       meta_view const r3_meta = Kokkos::subview(fin_meta, std::pair<index_t, index_t>(nd + no, nd + no + n3));
       this->transport_->alltoallv(exec, node, {record_rows(f.r2_meta, r3_meta, st.s3_runs, st.s3_recv_runs)}, st.s3.send_counts,
                                   st.s3.recv_counts, "hierarchical dispatch stage 3 metadata", this->options());
-      st.s3_fine_send_runs = split_at_slots(n2 > 0 ? Impl::host_vector(f.r2_meta) : std::vector<RowMeta>{}, st.s3_runs);
-      std::vector<RowMeta> const arrived = n3 > 0 ? Impl::host_vector(r3_meta) : std::vector<RowMeta>{};
+      st.s3_fine_send_runs = split_at_slots(n2 > 0 ? Impl::host_vector(exec, f.r2_meta) : std::vector<RowMeta>{}, st.s3_runs);
+      std::vector<RowMeta> const arrived = n3 > 0 ? Impl::host_vector(exec, r3_meta) : std::vector<RowMeta>{};
       RowRuns const pieces = split_at_slots(arrived, st.s3_recv_runs);
       auto const& placement = this->placement_;
       st.s3_fine_recv_runs.assign(static_cast<std::size_t>(S), {});
@@ -1393,7 +1393,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     stable_counting_sort(exec, keyc, P, st.canonical_from, origin_offsets, "KokkosMoE::HierarchicalExchange::canonical", &this->work_);
     h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", nf);
     gather_records(exec, fin_meta, st.canonical_from, h.arrived_meta, "KokkosMoE::HierarchicalExchange::canonical_meta");
-    auto const ho = Impl::host_vector(origin_offsets);
+    auto const ho = Impl::host_vector(exec, origin_offsets);
     h.recv_counts.resize(static_cast<std::size_t>(P));
     for (int p = 0; p < P; ++p) h.recv_counts[p] = ho[p + 1] - ho[p];
   }
@@ -1413,7 +1413,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     s.send_perm = scratch<index_view>(&this->work_, exec, "KokkosMoE::HierarchicalExchange::sort::perm", static_cast<index_t>(keys.extent(0)));
     auto const off = scratch<index_view>(&this->work_, exec, "KokkosMoE::HierarchicalExchange::sort::offsets", num_keys + 1);
     stable_counting_sort(exec, keys, num_keys, s.send_perm, off, "KokkosMoE::HierarchicalExchange::sort", &this->work_);
-    auto const ho = Impl::host_vector(off);
+    auto const ho = Impl::host_vector(exec, off);
     s.send_counts.resize(static_cast<std::size_t>(num_keys));
     for (int k = 0; k < num_keys; ++k) s.send_counts[k] = ho[k + 1] - ho[k];
     return s;

@@ -149,7 +149,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
       move_pools(exec, st, send, recv, st.sent_rows, "pooled-wave dispatch rows");
       receiver_drops = compact(exec, st, h, recv);
     }
-    h.ledger.dispatch.stages.push_back(wave_stage(st, wave, payload_row_bytes(this->config_.payload, d), false));
+    h.ledger.dispatch.stages.push_back(wave_stage(exec, st, wave, payload_row_bytes(this->config_.payload, d), false));
     h.ledger.dispatch.rows_in_place = st.direct;
     h.ledger.dispatch.stages.back().seconds = timer.seconds();
     h.ledger.dispatch.receiver_drops = receiver_drops;
@@ -187,7 +187,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
       collect(exec, *st, h, got, returned);
     }
     Compat::fence(exec, "KokkosMoE::PooledWave: wave collected");
-    h.ledger.combine.stages.push_back(wave_stage(*st, h.wave, returned.row_bytes(), true));
+    h.ledger.combine.stages.push_back(wave_stage(exec, *st, h.wave, returned.row_bytes(), true));
     h.ledger.combine.rows_in_place = st->direct;
     h.ledger.combine.stages.back().seconds = timer.seconds();
     h.combined = true;
@@ -285,7 +285,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
     ledger.dispatch.sender_drops = hc[1];
     // Pool rows with a route per destination: positions wave, wave + W, ...
     // of its routes, up to the pool.
-    auto const ho = Impl::host_vector(dest_off);
+    auto const ho = Impl::host_vector(exec, dest_off);
     st.sent_rows.assign(static_cast<std::size_t>(P), 0);
     for (int q = 0; q < P; ++q) {
       index_t const n = ho[static_cast<std::size_t>(q) + 1] - ho[static_cast<std::size_t>(q)];
@@ -374,20 +374,19 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
 
   /// Ledger stage of one wave's pools: useful rows carry a route (back: a
   /// result), the rest of a pool is padding (pooled_wave_stage).
-  StageLedger wave_stage(State const& st, int wave, std::int64_t row_bytes, bool back) const {
+  StageLedger wave_stage(ExecutionSpace const& exec, State const& st, int wave, std::int64_t row_bytes, bool back) const {
     auto const& ep = this->comms_->ep();
     int const P = ep.size();
     index_t const Rs = st.shapes.sender_pool_rows;
     std::vector<std::int64_t> useful(static_cast<std::size_t>(P), 0);
     if (!back) {
       // pool_route is contiguous (a leading-extent range of a row-major buffer).
-      auto const hp = Impl::host_vector(
-          Kokkos::View<index_t const*, MS, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(st.pool_route.data(), st.pool_route.size()));
+      auto const hp = Impl::host_vector(exec, st.pool_route);
       for (int q = 0; q < P; ++q)
         for (index_t j = 0; j < Rs; ++j) useful[static_cast<std::size_t>(q)] += hp[static_cast<std::size_t>(q * Rs + j)] >= 0 ? 1 : 0;
     } else {
       // What returns: one row per received route that was kept.
-      auto const hc = Impl::host_vector(st.compact_of);
+      auto const hc = Impl::host_vector(exec, st.compact_of);
       for (int s = 0; s < P; ++s)
         for (index_t j = 0; j < Rs; ++j) useful[static_cast<std::size_t>(s)] += hc[static_cast<std::size_t>(s * Rs + j)] >= 0 ? 1 : 0;
     }
@@ -434,11 +433,11 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           while (j < Rs && ekey(src * Rs + j) < L) ++j;
           carried(src) = j;
         });
-    st.received_rows = Impl::host_vector(carried);
+    st.received_rows = Impl::host_vector(exec, carried);
     auto by_expert = this->work_.template vector<index_t>(exec, "by_expert", n_pool);
     auto const e_off = scratch<index_view>(&this->work_, exec, "KokkosMoE::PooledWave::e_off", L + 2);
     stable_counting_sort(exec, ekey, L + 1, by_expert, e_off, "KokkosMoE::PooledWave::by_expert", &this->work_);
-    auto const he = Impl::host_vector(e_off);
+    auto const he = Impl::host_vector(exec, e_off);
     Arrivals out;
     out.ids = ekey;
     out.offsets.assign(static_cast<std::size_t>(L) + 1, 0);
@@ -584,9 +583,9 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
         MissingRow::skip, "KokkosMoE::PooledWave::pack");
     headers.finish();
     auto const arrivals = arrange(exec, st, h, ids_in, 1);
-    st.compact_host = Impl::host_vector(st.compact_of);
-    auto const ids = Impl::host_vector(arrivals.ids);
-    auto const sent_off = Impl::host_vector(id_off);
+    st.compact_host = Impl::host_vector(exec, st.compact_of);
+    auto const ids = Impl::host_vector(exec, arrivals.ids);
+    auto const sent_off = Impl::host_vector(exec, id_off);
     // One run per (peer, local expert) on both sides. A source's rows of an
     // expert land in their expert rows when all are kept, else in spare rows
     // past them (the kept ones, a prefix, are moved into place after).
@@ -707,7 +706,7 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
           return arrives ? -1 : static_cast<index_t>(inv(a));
         },
         MissingRow::zero, "KokkosMoE::PooledWave::own_results");
-    auto const back_h = Impl::host_vector(back_row);
+    auto const back_h = Impl::host_vector(exec, back_row);
     std::vector<index_t> send_counts(static_cast<std::size_t>(P), 0), recv_counts(static_cast<std::size_t>(P), 0);
     RowRuns send_runs(static_cast<std::size_t>(P)), recv_runs(static_cast<std::size_t>(P));
     for (int q = 0; q < P; ++q) {

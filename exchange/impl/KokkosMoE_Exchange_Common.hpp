@@ -83,10 +83,11 @@ inline std::vector<int> node_of_rank(Topology::CommunicatorSet const& comms) {
   return n;
 }
 
-/// Host copy of a device vector (fenced; no host mirror is allocated).
-template <class V>
-std::vector<typename V::non_const_value_type> host_vector(V const& v) {
-  return copy_to_host(typename V::execution_space(), v);
+/// Host copy of a device vector, ordered after exec's work (fenced; no
+/// host mirror is allocated).
+template <class Exec, class V>
+std::vector<typename V::non_const_value_type> host_vector(Exec const& exec, V const& v) {
+  return copy_to_host(exec, v);
 }
 
 /// Device copy of a host vector (a fresh view; see scratch_copy).

@@ -208,7 +208,9 @@ KOKKOS_INLINE_FUNCTION void convert_row(Member const& team, S const* in, D* out,
 /// True when Exec runs on the host (vector lanes are then plain loops).
 template <class Exec>
 constexpr bool runs_on_host() {
-  return Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible;
+  // Exec's kernels reach host memory: a host backend (with unified memory a
+  // device's memory space is host-accessible, but its kernels still run there).
+  return Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible;
 }
 
 /// One team per row; vector lanes over the row's elements (32 on GPUs).

@@ -100,7 +100,7 @@ using type_identity_t = typename type_identity<T>::type;
 /// backends); otherwise integer atomics are used. Both are exact.
 template <class Exec>
 constexpr bool host_histogram() {
-  return Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename Exec::memory_space>::accessible;
+  return Kokkos::SpaceAccessibility<Exec, Kokkos::HostSpace>::accessible;  // Exec's kernels run on the host
 }
 
 /// Total priority key: protected first, then priority value, then lower token.

@@ -130,21 +130,22 @@ std::string memory_problem(char const* call, int memory) {
 }
 
 /// The caller's rows [n][d] as the layer's rows: in place where the layer can
-/// read them (device arrays, host builds), else a copy to the device.
+/// read them (device arrays, host builds), else a copy into device rows
+/// from the handle's staging workspace (no allocation in repeated calls).
 template <class T>
-RowMatrix<T, MS> caller_rows_in(void const* p, int64_t n, int64_t d, int memory, char const* label) {
+RowMatrix<T, MS> caller_rows_in(Workspace<MS>& staging, void const* p, int64_t n, int64_t d, int memory, char const* label) {
   if (memory == KMOE_DEVICE || host_space) return RowMatrix<T, MS>(const_cast<T*>(static_cast<T const*>(p)), n, d);
-  RowMatrix<T, MS> v(std::string(label), n, d);
+  auto v = staging.template matrix<T>(Exec(), label, n, static_cast<std::size_t>(d));
   Kokkos::deep_copy(v, Kokkos::View<T const**, Kokkos::LayoutRight, Kokkos::HostSpace>(static_cast<T const*>(p), n, d));
   return v;
 }
 
-/// The caller's output rows [n][d]: in place, or a device buffer that
-/// caller_rows_out_done copies back.
+/// The caller's output rows [n][d]: in place, or device rows from the
+/// staging workspace that caller_rows_out_done copies back.
 template <class T>
-RowMatrix<T, MS> caller_rows_out(void* p, int64_t n, int64_t d, int memory, char const* label) {
+RowMatrix<T, MS> caller_rows_out(Workspace<MS>& staging, void* p, int64_t n, int64_t d, int memory, char const* label) {
   if (memory == KMOE_DEVICE || host_space) return RowMatrix<T, MS>(static_cast<T*>(p), n, d);
-  return RowMatrix<T, MS>(std::string(label), n, d);
+  return staging.template matrix<T>(Exec(), label, n, static_cast<std::size_t>(d));
 }
 
 template <class T>
@@ -170,6 +171,7 @@ struct kmoe_layer {
   bool has_last = false;
   LayerGradients<MS> grads;  ///< of the last backward (fp32 layers)
   bool has_grads = false;
+  Workspace<MS> staging{"kmoe::staging"};  ///< device rows of host arrays (device builds)
 
   kmoe_dtype dtype() const { return bf16 ? KMOE_BF16 : KMOE_FP32; }
   double watchdog() const { return deck.exchange.watchdog_seconds; }
@@ -422,8 +424,8 @@ kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t to
     layer->visit([&](auto& l) {
       using T = typename std::remove_reference_t<decltype(l)>::value_type;
       Exec exec;
-      auto in = caller_rows_in<T>(hidden, tokens, d, memory, "kmoe::hidden");
-      auto res = caller_rows_out<T>(out, tokens, d, memory, "kmoe::out");
+      auto in = caller_rows_in<T>(layer->staging, hidden, tokens, d, memory, "hidden");
+      auto res = caller_rows_out<T>(layer->staging, out, tokens, d, memory, "out");
       layer->last = l.forward(exec, in, res);
       layer->has_last = true;
       caller_rows_out_done(res, out, memory);
@@ -450,9 +452,9 @@ kmoe_status kmoe_layer_backward(kmoe_layer* layer, const void* hidden, const voi
     if (!problem.str().empty()) problem << " (rank " << layer->rank() << ")";
     agree_arguments(layer->comm, problem.str(), "kmoe_layer_backward arguments", layer->watchdog());
     Exec exec;
-    auto h = caller_rows_in<float>(hidden, tokens, d, memory, "kmoe::hidden");
-    auto g = caller_rows_in<float>(dout, tokens, d, memory, "kmoe::dout");
-    auto x = caller_rows_out<float>(dx, tokens, d, memory, "kmoe::dx");
+    auto h = caller_rows_in<float>(layer->staging, hidden, tokens, d, memory, "hidden");
+    auto g = caller_rows_in<float>(layer->staging, dout, tokens, d, memory, "dout");
+    auto x = caller_rows_out<float>(layer->staging, dx, tokens, d, memory, "dx");
     layer->fp32->backward(exec, h, g, x, layer->grads);
     layer->has_grads = true;
     caller_rows_out_done(x, dx, memory);
