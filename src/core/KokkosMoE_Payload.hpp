@@ -29,16 +29,16 @@ struct fp8_e4m3_t {
 };
 
 namespace Impl {
-KOKKOS_INLINE_FUNCTION std::uint32_t float_bits(float f) {
-  std::uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
+/// The bits of x as a To of the same size, in host and device code.
+template <class To, class From>
+KOKKOS_INLINE_FUNCTION To bits_as(From const& x) {
+  static_assert(sizeof(To) == sizeof(From), "bits_as: types of one size");
+  To t;
+  memcpy(&t, &x, sizeof t);
+  return t;
 }
-KOKKOS_INLINE_FUNCTION float bits_float(std::uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
+KOKKOS_INLINE_FUNCTION std::uint32_t float_bits(float f) { return bits_as<std::uint32_t>(f); }
+KOKKOS_INLINE_FUNCTION float bits_float(std::uint32_t u) { return bits_as<float>(u); }
 }  // namespace Impl
 
 /// \brief float -> bf16, round to nearest, ties to even. NaN stays a (quiet)

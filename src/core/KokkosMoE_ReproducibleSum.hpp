@@ -42,34 +42,23 @@ namespace KokkosMoE {
 
 namespace Impl {
 
-KOKKOS_INLINE_FUNCTION std::uint64_t double_bits(double x) {
-  std::uint64_t u;
-  memcpy(&u, &x, sizeof u);
-  return u;
-}
-KOKKOS_INLINE_FUNCTION double bits_double(std::uint64_t u) {
-  double x;
-  memcpy(&x, &u, sizeof x);
-  return x;
-}
-
 /// \brief std::frexp's exponent of a finite v > 0: v in [2^(x-1), 2^x).
 KOKKOS_INLINE_FUNCTION int binary_exponent(double v) {
   int shift = 0;
-  if (((double_bits(v) >> 52) & 0x7ff) == 0) {  // subnormal: scale by 2^64 (exact)
+  if (((bits_as<std::uint64_t>(v) >> 52) & 0x7ff) == 0) {  // subnormal: scale by 2^64 (exact)
     v *= 18446744073709551616.0;
     shift = 64;
   }
-  return static_cast<int>((double_bits(v) >> 52) & 0x7ff) - 1022 - shift;
+  return static_cast<int>((bits_as<std::uint64_t>(v) >> 52) & 0x7ff) - 1022 - shift;
 }
 
 /// \brief std::ldexp(v, e) (one rounding, to nearest): a product with exact
 /// powers of two; an exponent past a double's range is applied in steps
 /// that do not round (the sums' scales keep every step's value normal).
 KOKKOS_INLINE_FUNCTION double scale_pow2(double v, int e) {
-  for (; e > 1023; e -= 1023) v *= bits_double(std::uint64_t(2046) << 52);  // 2^1023
-  for (; e < -1022; e += 1022) v *= bits_double(std::uint64_t(1) << 52);    // 2^-1022
-  return v * bits_double(static_cast<std::uint64_t>(e + 1023) << 52);
+  for (; e > 1023; e -= 1023) v *= bits_as<double>(std::uint64_t(2046) << 52);  // 2^1023
+  for (; e < -1022; e += 1022) v *= bits_as<double>(std::uint64_t(1) << 52);    // 2^-1022
+  return v * bits_as<double>(static_cast<std::uint64_t>(e + 1023) << 52);
 }
 
 }  // namespace Impl
