@@ -185,4 +185,6 @@ TEST_CASE("fixed-point sums: the accumulation in the views' memory follows the s
   Kokkos::View<float*, MS> five("five", 5);
   CHECK_THROWS_WITH(small.observe(exec, five), Catch::Matchers::Contains("5 terms at element 0 of 4"));
   CHECK_THROWS_WITH(small.add(exec, five), Catch::Matchers::Contains("add() before agree_scale()"));
+  Kokkos::View<float**, Kokkos::LayoutRight, MS> wide("wide", 4, 3);
+  CHECK_THROWS_WITH(small.observe(exec, Kokkos::subview(wide, Kokkos::ALL, 1)), Catch::Matchers::Contains("not contiguous (stride 3)"));
 }

@@ -202,6 +202,7 @@ class FixedPointSum {
   template <class TermView>
   terms_view placed(TermView const& v, std::size_t at, char const* what) const {
     auto const flat = Impl::flat_elements(v);
+    KOKKOSMOE_REQUIRE(flat.span_is_contiguous(), "FixedPointSum::" << what << ": the terms are not contiguous (stride " << flat.stride(0) << ")");
     KOKKOSMOE_REQUIRE(at + flat.extent(0) <= size(), "FixedPointSum::" << what << ": " << flat.extent(0) << " terms at element " << at
                                                                          << " of " << size());
     return terms_view(flat.data(), flat.extent(0));

@@ -168,7 +168,7 @@ auto flat_elements(V const& v) {
   if constexpr (Compat::view_rank<V> == 1) {
     return v;
   } else {
-    KOKKOSMOE_REQUIRE(v.span_is_contiguous(), "host copy of '" << v.label() << "': the view is not contiguous");
+    KOKKOSMOE_REQUIRE(v.span_is_contiguous(), "'" << v.label() << "': its elements in one run need a contiguous view");
     return Kokkos::View<typename V::value_type*, typename V::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(v.data(),
                                                                                                                    v.size());
   }
