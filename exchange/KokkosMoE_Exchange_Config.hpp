@@ -69,6 +69,13 @@ struct TransportOptions {
   /// unreliable, and so that host builds test the staged path. A staged
   /// transfer completes before its start returns.
   bool stage_through_host = false;
+  /// MPI transport: pair sends and receives the way NCCL must, so that CPU
+  /// runs take NCCL's paths and check its rule: every run is a message of
+  /// exactly its rows (no derived datatype gathers a peer's runs), receive
+  /// counts are exact (no receive up to a count), and the exchanges choose
+  /// the layouts they choose for NCCL. Set by the transport
+  /// (ExchangeConfig::pair_runs).
+  bool pair_runs = false;
 };
 
 /// \brief Configuration of one exchange (any algorithm).
@@ -81,6 +88,7 @@ struct ExchangeConfig {
   bool verify_send_rows = false;                   ///< see TransportOptions
   std::shared_ptr<FabricEmulator> fabric;          ///< see TransportOptions
   bool stage_through_host = false;                 ///< see TransportOptions
+  bool pair_runs = false;                          ///< MPI transport: see TransportOptions
   /// Flat exchange, where both payloads are the rows' own type: rows land
   /// straight in their expert-major places and return straight from the
   /// expert outputs (one message per source and local slot with rows), with
@@ -93,7 +101,7 @@ struct ExchangeConfig {
   index_t tokens_per_rank = 0;   ///< the largest token count of any rank
   int top_k = 1;
 
-  TransportOptions transport_options() const { return TransportOptions{watchdog_seconds, verify_send_rows, fabric, stage_through_host}; }
+  TransportOptions transport_options() const { return TransportOptions{watchdog_seconds, verify_send_rows, fabric, stage_through_host, pair_runs}; }
 };
 
 }  // namespace Exchange

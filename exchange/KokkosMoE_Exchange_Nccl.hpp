@@ -127,23 +127,17 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
                                std::vector<index_t> const& recv_counts, char const* what, TransportOptions const& options) override {
     int const P = comm.size();
     int const me = comm.my_slot();
-    KOKKOSMOE_REQUIRE(static_cast<int>(send_counts.size()) == P && static_cast<int>(recv_counts.size()) == P,
-                      what << ": " << send_counts.size() << " send and " << recv_counts.size() << " receive counts for " << P
-                           << " peers of " << comm.name());
+    // The checks of every transport (the MPI one makes the same), before
+    // NCCL is handed any pointer.
+    auto const segments = Impl::checked_segments(comm, sets, send_counts, recv_counts, what, /*pair_runs=*/true);
+    std::vector<index_t> const &soff = segments.first, &roff = segments.second;
+    // NCCL and the transport's stream on exec's GPU, whichever thread calls.
+    KOKKOSMOE_CUDA_CHECK(cudaSetDevice(exec.cuda_device()));
     auto& nc = communicator(comm);
     cudaStream_t const stream = comm_stream();
-    std::vector<index_t> soff(static_cast<std::size_t>(P) + 1, 0), roff(static_cast<std::size_t>(P) + 1, 0);
-    for (int p = 0; p < P; ++p) {
-      soff[p + 1] = soff[p] + send_counts[p];
-      roff[p + 1] = roff[p] + recv_counts[p];
-    }
-    for (auto const& s : sets) {
-      KOKKOSMOE_REQUIRE(!s.one_message, what << ": NCCL cannot move a peer's runs as one message (RowSet::one_message)");
-      Impl::check_runs(s.send_runs, send_counts, static_cast<index_t>(s.send.extent(0)), "send", what);
-      Impl::check_runs(s.recv_runs, recv_counts, static_cast<index_t>(s.recv.extent(0)), "receive", what);
+    for (auto const& s : sets)
       if (me >= 0 && send_counts[me] > 0 && !s.self_in_place)
         Impl::copy_self_rows(exec, s.recv, Impl::runs_of(s.recv_runs, roff, me), s.send, Impl::runs_of(s.send_runs, soff, me));
-    }
     // The transfers start once the send rows (and the self copies) on
     // exec's stream are complete.
     auto ready = std::make_shared<Event>();
@@ -152,7 +146,7 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
     KOKKOSMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, ready->get(), 0));
     // One send (receive) per peer segment, or per run: NCCL pairs them in
     // order, so both sides' runs must have the same lengths.
-    KOKKOSMOE_NCCL_CHECK(ncclGroupStart());
+    GroupCall group;
     for (auto const& s : sets) {
       std::size_t const rb = s.send.extent(1);
       for (int p = 0; p < P; ++p) {
@@ -169,7 +163,7 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
                                             ncclUint8, p, nc.get(), stream));
       }
     }
-    KOKKOSMOE_NCCL_CHECK(ncclGroupEnd());
+    group.end();
     KOKKOSMOE_CUDA_CHECK(cudaEventRecord(done->get(), stream));
     Topology::Communicator const* c = &comm;
     std::string const label = what;
@@ -189,6 +183,11 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
   NcclTransport(NcclTransport const&) = delete;
   NcclTransport& operator=(NcclTransport const&) = delete;
   ~NcclTransport() override {
+    // ncclCommDestroy is collective within a node: every rank destroys its
+    // communicators in the reverse of the order they were created in, which
+    // is the same on every rank (creation is collective), not in the order
+    // of the MPI handles' values.
+    for (auto it = created_.rbegin(); it != created_.rend(); ++it) comms_.erase(*it);
     comms_.clear();
     if (stream_) cudaStreamDestroy(stream_);
   }
@@ -196,9 +195,32 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
  private:
   NcclCommunicator& communicator(Topology::Communicator const& comm) {
     auto& slot = comms_[comm.comm()];
-    if (!slot) slot = std::make_unique<NcclCommunicator>(comm);
+    if (!slot) {
+      slot = std::make_unique<NcclCommunicator>(comm);
+      created_.push_back(comm.comm());
+    }
     return *slot;
   }
+
+  /// ncclGroupStart ... ncclGroupEnd; a throw between them (a refused
+  /// send or receive) still ends the group, so later NCCL calls on this
+  /// thread do not join a group that never ends.
+  class GroupCall {
+   public:
+    GroupCall() { KOKKOSMOE_NCCL_CHECK(ncclGroupStart()); }
+    ~GroupCall() {
+      if (open_) ncclGroupEnd();
+    }
+    GroupCall(GroupCall const&) = delete;
+    GroupCall& operator=(GroupCall const&) = delete;
+    void end() {
+      open_ = false;
+      KOKKOSMOE_NCCL_CHECK(ncclGroupEnd());
+    }
+
+   private:
+    bool open_ = true;
+  };
 
   /// A CUDA event without timing, destroyed with its owner.
   class Event {
@@ -248,6 +270,7 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
   }
 
   std::map<MPI_Comm, std::unique_ptr<NcclCommunicator>> comms_;
+  std::vector<MPI_Comm> created_;  ///< the communicators' creation order
   cudaStream_t stream_ = nullptr;
 };
 
@@ -259,12 +282,14 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
 namespace KokkosMoE {
 namespace Exchange {
 
-/// \brief The transport of `kind` for exchanges on Exec / MemorySpace.
-/// Throws Error (the same on every rank) when this build or this execution
-/// space cannot run it: NCCL needs a build with NCCL and Kokkos::Cuda.
+/// \brief The transport of `kind` for exchanges on Exec / MemorySpace
+/// (MPI: pairing sends and receives as NCCL does with pair_runs; NCCL always
+/// does). Throws Error (the same on every rank) when this build or this
+/// execution space cannot run it: NCCL needs a build with NCCL and
+/// Kokkos::Cuda.
 template <class Exec, class MemorySpace>
-std::unique_ptr<Transport<Exec, MemorySpace>> make_transport(TransportKind kind) {
-  if (kind == TransportKind::mpi) return std::make_unique<MpiTransport<Exec, MemorySpace>>();
+std::unique_ptr<Transport<Exec, MemorySpace>> make_transport(TransportKind kind, bool pair_runs = false) {
+  if (kind == TransportKind::mpi) return std::make_unique<MpiTransport<Exec, MemorySpace>>(pair_runs);
   KOKKOSMOE_REQUIRE(transport_available(kind), transport_unavailable_reason(kind));
 #if defined(KOKKOSMOE_HAVE_NCCL) && defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same<Exec, Kokkos::Cuda>::value) {

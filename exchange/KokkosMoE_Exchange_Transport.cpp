@@ -71,7 +71,8 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
   // per run (MPI keeps the order of messages between two ranks with one
   // tag), or one message of an indexed datatype. Both sides see the same
   // run lengths, so they choose alike; with one_message both sides take one
-  // message (MPI matches the row counts, not the runs).
+  // message (MPI matches the row counts, not the runs). pair_runs: one
+  // message per run always, as NCCL pairs them.
   auto post = [&](bool receive, unsigned char* base, std::vector<std::pair<index_t, index_t>> const& runs, int p) {
     std::size_t rows = 0, count = 0;
     for (auto const& [first, n] : runs)
@@ -80,7 +81,7 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
         ++count;
       }
     auto issue = [&](void* buf, int n, MPI_Datatype type) { Impl::post(comm, receive, buf, n, type, p, tag, pending, options); };
-    if (count > 1 && (one_message || transfer_messages(static_cast<std::int64_t>(count), static_cast<std::int64_t>(rows),
+    if (count > 1 && !options.pair_runs && (one_message || transfer_messages(static_cast<std::int64_t>(count), static_cast<std::int64_t>(rows),
                                        static_cast<std::int64_t>(row_bytes)) == 1)) {
       std::vector<int> lengths, displs;
       for (auto const& [first, n] : runs)
@@ -119,8 +120,16 @@ constexpr int stamp_tag_offset = 16384;
 bool advance(Topology::Communicator const& comm, Pending& p) {
   if (!p.data_done) {
     int flag = 0;
-    KOKKOSMOE_MPI_CHECK(MPI_Test(&p.request, &flag, MPI_STATUS_IGNORE), comm.comm());
+    MPI_Status status;
+    KOKKOSMOE_MPI_CHECK(MPI_Test(&p.request, &flag, &status), comm.comm());
     p.data_done = flag != 0;
+    if (p.data_done && p.exact_bytes >= 0) {
+      MPI_Count got = 0;
+      KOKKOSMOE_MPI_CHECK(MPI_Get_elements_x(&status, MPI_BYTE, &got), comm.comm());
+      KOKKOSMOE_REQUIRE(got == p.exact_bytes, comm.name() << ": a message of " << got << " bytes from peer slot " << p.peer_slot << " (rank "
+                                                          << comm.global_rank(p.peer_slot) << ") where its paired receive takes "
+                                                          << p.exact_bytes << " (pair_runs: both sides must cut the rows into the same runs, as NCCL needs)");
+    }
   }
   if (!p.stamp_done) {
     int flag = 0;
@@ -145,6 +154,11 @@ void post(Topology::Communicator const& comm, bool receive, void* buf, int count
   int const me = comm.global_rank(comm.my_slot());
   bool const emulated = fabric && fabric->link(receive ? comm.global_rank(peer) : me, receive ? me : comm.global_rank(peer)) != FabricLink::none;
   if (receive) {
+    if (options.pair_runs) {
+      int size = 0;
+      KOKKOSMOE_MPI_CHECK(MPI_Type_size(type, &size), comm.comm());
+      op.exact_bytes = static_cast<std::int64_t>(size) * count;
+    }
     KOKKOSMOE_MPI_CHECK(MPI_Irecv(buf, count, type, peer, tag, comm.comm(), &op.request), comm.comm());
     if (emulated) {
       op.stamp = std::make_shared<FabricEmulator::Stamp>();

@@ -31,6 +31,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace KokkosMoE {
@@ -109,7 +110,9 @@ bool mpi_is_cuda_aware();
 /// returns; progress() advances the transfer without blocking. Empty (done)
 /// when the transport moved the rows before returning. Movable only; one
 /// destroyed while in flight waits for its transfer under the watchdog first,
-/// so no buffer is released while MPI may still touch it.
+/// so no buffer is released while MPI may still touch it. It refers to the
+/// communicator it moves over and (NCCL) to its transport: finish it, or
+/// let it go, before the exchange that started it is destroyed.
 class RowsInFlight {
  public:
   RowsInFlight() = default;
@@ -172,11 +175,14 @@ struct Pending {
   std::int64_t done_ns = 0;                       ///< emulated completion (receives: once the stamp is in)
   bool data_done = false;
   bool stamp_done = true;
+  std::int64_t exact_bytes = -1;  ///< a receive that must get exactly these bytes (pair_runs); -1: up to its size
 };
 
 /// Posts one nonblocking send or receive of `count` elements of `type` with
 /// the peer in slot `peer` of comm, appending it to pending; with an emulated
-/// fabric in options, also its stamp.
+/// fabric in options, also its stamp. A receive with options.pair_runs must
+/// get exactly its size (the send paired with it has the same rows), else
+/// completing it throws Error naming the peer and both sizes.
 void post(Topology::Communicator const& comm, bool receive, void* buf, int count, MPI_Datatype type, int peer, int tag,
           std::vector<Pending>& pending, TransportOptions const& options);
 
@@ -235,21 +241,19 @@ void copy_self_rows(Exec const& exec, DstView const& dst, std::vector<std::pair<
   }
 }
 
-}  // namespace Impl
-
-/// \brief Moves every RowSet's rows over comm with MPI. Counts are per peer
-/// slot of comm and must already be agreed (see agree_counts). Fences exec
-/// before posting (the send rows must be complete) and returns with the
-/// receive rows written; with `start`, returns the posted transfer in flight
-/// instead when MPI reads and writes the buffers directly (host memory or
-/// CUDA-aware MPI; a host-staged transfer completes before returning). A
-/// receive count of a contiguous segment may exceed the peer's send count
-/// (Transport::receives_up_to).
-template <class Exec, class MS>
-RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MS>> const& sets,
-                                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
-                                TransportOptions const& options = {}, bool start = false,
-                                Workspace<Kokkos::HostSpace>* staging = nullptr) {
+/// What every transport checks before it moves rows: one count per peer
+/// slot of comm on each side, buffers that hold the counted rows (or runs
+/// inside them), rows of one width on both sides, and as many rows from this
+/// rank to itself as it expects; with pair_runs (each run its own paired
+/// message, as NCCL sends), no set whose peer runs travel as one message.
+/// Returns the offsets of the peers' contiguous segments ([P + 1] send,
+/// [P + 1] receive).
+template <class MS>
+std::pair<std::vector<index_t>, std::vector<index_t>> checked_segments(Topology::Communicator const& comm,
+                                                                       std::vector<RowSet<MS>> const& sets,
+                                                                       std::vector<index_t> const& send_counts,
+                                                                       std::vector<index_t> const& recv_counts, char const* what,
+                                                                       bool pair_runs) {
   int const P = comm.size();
   int const me = comm.my_slot();
   KOKKOSMOE_REQUIRE(static_cast<int>(send_counts.size()) == P && static_cast<int>(recv_counts.size()) == P,
@@ -267,18 +271,41 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
                       what << ": buffers of " << s.send.extent(0) << " and " << s.recv.extent(0) << " rows ("
                            << s.send.extent(1) << "/" << s.recv.extent(1) << " B) for " << soff[P] << " sent and "
                            << roff[P] << " received rows");
-    Impl::check_runs(s.send_runs, send_counts, static_cast<index_t>(s.send.extent(0)), "send", what);
-    Impl::check_runs(s.recv_runs, recv_counts, static_cast<index_t>(s.recv.extent(0)), "receive", what);
+    check_runs(s.send_runs, send_counts, static_cast<index_t>(s.send.extent(0)), "send", what);
+    check_runs(s.recv_runs, recv_counts, static_cast<index_t>(s.recv.extent(0)), "receive", what);
+    KOKKOSMOE_REQUIRE(!(pair_runs && s.one_message), what << ": a transport that pairs every run (NCCL, or MPI with pair_runs) cannot "
+                                                               "move a peer's runs as one message (RowSet::one_message)");
   }
+  if (!sets.empty() && me >= 0 && send_counts[me] > 0)
+    KOKKOSMOE_REQUIRE(send_counts[me] == recv_counts[me],
+                      what << ": rank sends " << send_counts[me] << " rows to itself but expects " << recv_counts[me]);
+  return {std::move(soff), std::move(roff)};
+}
+
+}  // namespace Impl
+
+/// \brief Moves every RowSet's rows over comm with MPI. Counts are per peer
+/// slot of comm and must already be agreed (see agree_counts). Fences exec
+/// before posting (the send rows must be complete) and returns with the
+/// receive rows written; with `start`, returns the posted transfer in flight
+/// instead when MPI reads and writes the buffers directly (host memory or
+/// CUDA-aware MPI; a host-staged transfer completes before returning). A
+/// receive count of a contiguous segment may exceed the peer's send count
+/// (Transport::receives_up_to).
+template <class Exec, class MS>
+RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MS>> const& sets,
+                                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
+                                TransportOptions const& options = {}, bool start = false,
+                                Workspace<Kokkos::HostSpace>* staging = nullptr) {
+  int const P = comm.size();
+  int const me = comm.my_slot();
+  auto const segments = Impl::checked_segments(comm, sets, send_counts, recv_counts, what, options.pair_runs);
+  std::vector<index_t> const &soff = segments.first, &roff = segments.second;
   Compat::fence(exec, "KokkosMoE::Exchange::alltoallv_rows: send rows complete");
   // Same-rank rows: a local copy (none where the caller placed them).
   for (auto const& s : sets) {
-    if (me >= 0 && send_counts[me] > 0) {
-      KOKKOSMOE_REQUIRE(send_counts[me] == recv_counts[me],
-                        what << ": rank sends " << send_counts[me] << " rows to itself but expects " << recv_counts[me]);
-      if (!s.self_in_place)
-        Impl::copy_self_rows(exec, s.recv, Impl::runs_of(s.recv_runs, roff, me), s.send, Impl::runs_of(s.send_runs, soff, me));
-    }
+    if (me >= 0 && send_counts[me] > 0 && !s.self_in_place)
+      Impl::copy_self_rows(exec, s.recv, Impl::runs_of(s.recv_runs, roff, me), s.send, Impl::runs_of(s.send_runs, soff, me));
   }
   constexpr bool host_visible = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible;
   bool const direct = (host_visible || mpi_is_cuda_aware()) && !options.stage_through_host;
@@ -389,25 +416,35 @@ class Transport {
   }
 };
 
-/// \brief The MPI transport (every build).
+/// \brief The MPI transport (every build). With pair_runs it pairs sends
+/// and receives the way the NCCL transport must (TransportOptions::pair_runs),
+/// so that host builds run the exchanges' NCCL paths.
 template <class Exec, class MemorySpace>
 class MpiTransport final : public Transport<Exec, MemorySpace> {
  public:
+  explicit MpiTransport(bool pair_runs = false) : pair_runs_(pair_runs) {}
   TransportKind kind() const override { return TransportKind::mpi; }
-  bool receives_up_to() const override { return true; }
-  bool gathers_runs() const override { return true; }
+  bool receives_up_to() const override { return !pair_runs_; }
+  bool gathers_runs() const override { return !pair_runs_; }
   void alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                  std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
                  TransportOptions const& options) override {
-    mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options, /*start=*/false, &staging_);
+    mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, paired(options), /*start=*/false, &staging_);
   }
   RowsInFlight start_alltoallv(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MemorySpace>> const& sets,
                                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
                                TransportOptions const& options) override {
-    return mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, options, /*start=*/true, &staging_);
+    return mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, paired(options), /*start=*/true, &staging_);
   }
 
  private:
+  TransportOptions paired(TransportOptions const& options) const {
+    if (!pair_runs_ || options.pair_runs) return options;
+    TransportOptions o = options;
+    o.pair_runs = true;
+    return o;
+  }
+  bool pair_runs_;
   Workspace<Kokkos::HostSpace> staging_{"KokkosMoE::Exchange::MpiTransport"};  ///< host rows of staged transfers
 };
 

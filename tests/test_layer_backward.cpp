@@ -286,6 +286,41 @@ TEST_CASE("backward after an overlapped or chunked forward equals the serial one
   }
 }
 
+TEST_CASE("sends and receives paired as NCCL pairs them: the same forward and backward bits", "[layer][backward][mpi]") {
+  // [exchange] pair_runs: every run its own message of exactly its rows and
+  // no receive up to a count, so the exchanges take the layouts they take
+  // over NCCL (pooled-wave moves whole pools and repacks); a run cut
+  // differently by its sender and its receiver would land rows in the wrong
+  // places here, as it would over NCCL.
+  int const size = kmoe_test::world_size(), rank = kmoe_test::world_rank();
+  for (std::string const algorithm : {"flat", "hierarchical", "pooled_wave"}) {
+    for (std::string const schedule : {"serial", "chunked"}) {
+      std::vector<std::vector<float>> results;
+      for (bool const paired : {false, true}) {
+        INFO(algorithm << " " << schedule << (paired ? " paired" : " gathered") << " at " << size << " ranks");
+        std::string text = deck_text(algorithm, size % 2 == 0 ? 2 : 1, schedule);
+        if (paired) text.replace(text.find("[exchange]\n"), 11, "[exchange]\npair_runs = true\n");
+        Built b(text, MPI_COMM_WORLD);
+        REQUIRE(b.deck.exchange.pair_runs == paired);
+        Exec exec;
+        RankRows r(b, rank);
+        StepRecord const rec = b.layer->forward(exec, r.hidden, r.out);
+        // Pooled-wave lands rows in the expert rows only over a transport
+        // that gathers a peer's runs into one message; paired, it repacks.
+        if (algorithm == "pooled_wave") CHECK(rec.ledger.dispatch.rows_in_place == !paired);
+        LayerGradients<MS> g;
+        b.layer->backward(exec, r.hidden, r.dOut, r.dX, g);
+        std::vector<float> all = host(r.out);
+        for (auto const& part : {host(r.dX), host(g.routed.up), host(g.routed.gate), host(g.routed.down), host(g.router)})
+          all.insert(all.end(), part.begin(), part.end());
+        results.push_back(all);
+      }
+      REQUIRE(results[1].size() == results[0].size());
+      CHECK(std::memcmp(results[1].data(), results[0].data(), results[0].size() * sizeof(float)) == 0);
+    }
+  }
+}
+
 TEST_CASE("repeated steps allocate nothing: forward under every schedule, and forward + backward", "[layer][backward][memory][mpi]") {
   // Plans, sorts, stage tables and saved activations come from the layer's
   // and the exchanges' workspaces, host-staged rows from the transport's;
@@ -309,6 +344,7 @@ TEST_CASE("repeated steps allocate nothing: forward under every schedule, and fo
       LayerGradients<MS> g;
       LayerBackwardOptions bo;
       bo.reproducible_shared = true;
+      bo.gradient_block = 4;  // blocks of 4, 4 and 2 of the 10 tokens: two batch sizes per step
       bo.balance = BalanceLossConfig{};
       StepRecord last;
       auto step = [&] {

@@ -154,7 +154,7 @@ class ExchangeBase {
     config_.algorithm = algorithm;
     // The transport is a configuration choice; every rank makes the same one,
     // so an unavailable transport fails every rank alike.
-    transport_ = make_transport<Exec, MemorySpace>(config_.transport);
+    transport_ = make_transport<Exec, MemorySpace>(config_.transport, config_.pair_runs);
     node_of_rank_ = node_of_rank(comms);
     me_ = comms.global_rank();
     KOKKOSMOE_REQUIRE(placement_.num_ranks() == comms.size(), to_string(algorithm) << " exchange: the placement spans "

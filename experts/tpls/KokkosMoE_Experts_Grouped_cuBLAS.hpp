@@ -42,6 +42,7 @@
 #if defined(KOKKOSMOE_HAVE_CUBLAS) && defined(KOKKOS_ENABLE_CUDA)
 #include <cublas_v2.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -86,6 +87,16 @@ struct GroupedProblems {
     size.push_back(1);
   }
   int count() const { return static_cast<int>(m.size()); }
+  /// Every operand pointer has the alignment cuBLAS's grouped kernels
+  /// assume for its problem (grouped_operand_aligned).
+  bool aligned(std::size_t elem_bytes) const {
+    for (std::size_t i = 0; i < m.size(); ++i)
+      if (!grouped_operand_aligned(reinterpret_cast<std::uintptr_t>(a[i]), k[i], elem_bytes) ||
+          !grouped_operand_aligned(reinterpret_cast<std::uintptr_t>(b[i]), k[i], elem_bytes) ||
+          !grouped_operand_aligned(reinterpret_cast<std::uintptr_t>(c[i]), k[i], elem_bytes))
+        return false;
+    return true;
+  }
 };
 
 /// The operand pointer arrays of grouped calls in one device buffer from
@@ -113,11 +124,25 @@ std::vector<void* const*> upload_operands(Kokkos::Cuda const& exec, std::vector<
 
 /// Y_q = op(A_q) op(B_q) for every problem of p in one
 /// cublasGemmGroupedBatchedEx, with the operand arrays of upload_operands.
+/// Problems whose pointers lack the alignment the grouped kernels assume,
+/// or a set the grouped kernels refuse, run as one cublasGemmEx each (same
+/// types and accumulation, same stream): cublasGemmEx sees its pointers.
 inline void grouped_gemm(cublasHandle_t h, GroupedProblems const& p, void* const* arrays, cudaDataType_t ab_type, cudaDataType_t c_type,
                          char const* label) {
   int const g = p.count();
   if (g == 0) return;
   Compat::ScopedRegion region(label);
+  auto one_by_one = [&](char const* why) {
+    Compat::ScopedRegion per_problem(why);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(g); ++i)
+      cublas_check(cublasGemmEx(h, p.ta[i], p.tb[i], p.m[i], p.n[i], p.k[i], &p.alpha[i], p.a[i], ab_type, p.lda[i], p.b[i], ab_type,
+                                p.ldb[i], &p.beta[i], p.c[i], c_type, p.ldc[i], CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                   "cublasGemmEx (grouped problems one by one)");
+  };
+  if (!p.aligned(cuda_data_type_bytes(ab_type)) || !p.aligned(cuda_data_type_bytes(c_type))) {
+    one_by_one("KokkosMoE::Experts::grouped_gemm[TPL_CUBLAS,per-problem:unaligned]");
+    return;
+  }
   cublasStatus_t const status =
       cublasGemmGroupedBatchedEx(h, p.ta.data(), p.tb.data(), p.m.data(), p.n.data(), p.k.data(), p.alpha.data(),
                                  const_cast<void const* const*>(arrays), ab_type, p.lda.data(),
@@ -125,14 +150,8 @@ inline void grouped_gemm(cublasHandle_t h, GroupedProblems const& p, void* const
                                  const_cast<void* const*>(arrays + 2 * g), c_type, p.ldc.data(), g, p.size.data(),
                                  CUBLAS_COMPUTE_32F);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
-    // A problem set the grouped kernels refuse (it is checked before any
-    // launch): the same problems one cublasGemmEx each, same types and
-    // accumulation, on the same stream.
-    Compat::ScopedRegion per_problem("KokkosMoE::Experts::grouped_gemm[TPL_CUBLAS,per-problem]");
-    for (std::size_t i = 0; i < static_cast<std::size_t>(g); ++i)
-      cublas_check(cublasGemmEx(h, p.ta[i], p.tb[i], p.m[i], p.n[i], p.k[i], &p.alpha[i], p.a[i], ab_type, p.lda[i], p.b[i], ab_type,
-                                p.ldb[i], &p.beta[i], p.c[i], c_type, p.ldc[i], CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                   "cublasGemmEx (grouped problems one by one)");
+    // Refused before any launch.
+    one_by_one("KokkosMoE::Experts::grouped_gemm[TPL_CUBLAS,per-problem:not-supported]");
   } else {
     cublas_check(status, "cublasGemmGroupedBatchedEx");
   }

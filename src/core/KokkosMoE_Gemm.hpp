@@ -209,6 +209,8 @@ GemmPath gemm(Exec const& exec, char trans_a, char trans_b, float alpha, AV cons
 #else
       Compat::fence(exec, "KokkosMoE::gemm: order before the default-instance call");
       KokkosBlas::gemm(ta_s, tb_s, alpha, A, B, beta, C);
+      // ... and what exec runs next (another instance's stream) after it.
+      Compat::fence(Exec(), "KokkosMoE::gemm: order after the default-instance call");
 #endif
       return GemmPath::kokkos_kernels;
     }

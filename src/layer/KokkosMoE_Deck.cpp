@@ -383,6 +383,7 @@ void parse_exchange(Reader& r, LayerDeck& d) {
   d.exchange.watchdog_seconds = r.real("exchange.watchdog_seconds", 300.0, 0.0, huge);
   d.exchange.verify_send_rows = r.boolean("exchange.verify_send_rows", false);
   d.exchange.stage_through_host = r.boolean("exchange.stage_through_host", false);
+  d.exchange.pair_runs = r.boolean("exchange.pair_runs", false);
   d.exchange.receive_into_experts = r.boolean("exchange.receive_into_experts", true);
   d.exchange.waves = static_cast<int>(r.integer("exchange.waves", 1, 1, 1024));
   d.exchange.sender_cf = r.real("exchange.sender_cf", 1.25, 0.0, huge, true);
@@ -536,6 +537,7 @@ std::string LayerDeck::resolved() const {
      << "\nwatchdog_seconds = " << exchange.watchdog_seconds
      << "\nverify_send_rows = " << (exchange.verify_send_rows ? "true" : "false")
      << "\nstage_through_host = " << (exchange.stage_through_host ? "true" : "false")
+     << "\npair_runs = " << (exchange.pair_runs ? "true" : "false")
      << "\nreceive_into_experts = " << (exchange.receive_into_experts ? "true" : "false")
      << "\nwaves = " << exchange.waves << "\nsender_cf = " << exchange.sender_cf << "\nreceiver_cf = " << exchange.receiver_cf << "\n";
   os << "\n[experts]\nrunner = " << quoted(to_string(experts.runner)) << "\ncapacity = " << experts.capacity << "\nalignment = " << experts.alignment

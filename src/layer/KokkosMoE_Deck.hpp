@@ -146,6 +146,7 @@ struct LayerDeck {
     double watchdog_seconds = 300.0;
     bool verify_send_rows = false;  ///< check started transfers' send rows at completion
     bool stage_through_host = false;  ///< MPI: rows through host copies even where MPI reads the buffers
+    bool pair_runs = false;           ///< MPI: sends and receives paired as NCCL pairs them
     bool receive_into_experts = true;  ///< flat: rows straight to and from their expert-major places
     int waves = 1;
     double sender_cf = 1.25;

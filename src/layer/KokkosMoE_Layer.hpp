@@ -111,14 +111,6 @@ class StageTimer {
 
 }  // namespace Impl
 
-/// \brief One MoE layer on one rank of an expert-parallel group.
-///
-/// \tparam T hidden-row and weight storage type (float or bf16_t)
-///
-/// Built collectively from the communicator set, a placement generation, the
-/// router weight [E, d] and this rank's routed expert weights (its local
-/// slots, in the placement's local slot order) and shared expert weights.
-/// forward() is collective over the EP communicator.
 /// \brief Gradients of a layer's parameters (FP32): this rank's routed
 /// expert slots; the shared experts and the router weight [E, d], which every
 /// rank holds, summed over the ranks of the EP group (the same bits on every
@@ -141,9 +133,9 @@ struct LayerBackwardOptions {
   /// Sum the shared experts' weight gradients over the EP group reproducibly
   /// too, in blocks of gradient_block tokens (the same bits for any split of
   /// the tokens in whole blocks). It runs the shared experts' backward twice
-  /// (the first pass finds each element's scale) and converts every block's
-  /// gradients on the host; off, they are summed in floating point (equal
-  /// within rounding).
+  /// (the first pass finds each element's scale) and adds every block's
+  /// gradients as fixed-point integers in the layer's memory space; off, they
+  /// are summed in floating point (equal within rounding).
   bool reproducible_shared = false;
 };
 
@@ -156,6 +148,14 @@ struct BackwardRecord {
   Experts::BackwardLedger experts;
 };
 
+/// \brief One MoE layer on one rank of an expert-parallel group.
+///
+/// \tparam T hidden-row and weight storage type (float or bf16_t)
+///
+/// Built collectively from the communicator set, a placement generation, the
+/// router weight [E, d] and this rank's routed expert weights (its local
+/// slots, in the placement's local slot order) and shared expert weights.
+/// forward() is collective over the EP communicator.
 template <class T = float, class ExecutionSpace = Kokkos::DefaultExecutionSpace,
           class MemorySpace = typename ExecutionSpace::memory_space>
 class MoELayer {
@@ -468,7 +468,7 @@ class MoELayer {
     auto x = shared_batch(exec, hidden, "bwd_shared_x");
     auto dy = shared_batch(exec, dOut, "bwd_shared_dy");
     auto dxs = work_.template matrix<float>(exec, "bwd_shared_dx", n * S, static_cast<std::size_t>(d));
-    backward_.backward(exec, *shared_, x, shared_offsets(n), dy, dxs, g);
+    backward_.backward(exec, *shared_, x, shared_offsets(exec, n), dy, dxs, g);
     add_shared(exec, dxs, dX);
   }
 
@@ -495,7 +495,7 @@ class MoELayer {
       auto x = shared_batch(exec, hid, "bwd_shared_x");
       auto dy = shared_batch(exec, dout, "bwd_shared_dy");
       auto dxs = work_.template matrix<float>(exec, "bwd_shared_dx", (b1 - b0) * S, static_cast<std::size_t>(d));
-      backward_.backward(exec, *shared_, x, shared_offsets(b1 - b0), dy, dxs, gb);
+      backward_.backward(exec, *shared_, x, shared_offsets(exec, b1 - b0), dy, dxs, gb);
       if (input_gradient) add_shared(exec, dxs, RowMatrix<T, MemorySpace>(Kokkos::subview(dX, rows, Kokkos::ALL)));
     };
     for (index_t b0 = 0; b0 < n; b0 += block) {
@@ -529,17 +529,17 @@ class MoELayer {
     return x;
   }
 
-  /// Segment offsets of a shared batch of n tokens per expert (kept).
-  Kokkos::View<index_t*, MemorySpace> const& shared_offsets(index_t n) {
+  /// Segment offsets of a shared batch of n tokens per expert (s n for
+  /// s = 0..S), written on exec into the layer's workspace: batches of
+  /// different sizes in one step (a backward's last, shorter block) allocate
+  /// nothing and need no host copy.
+  Kokkos::View<index_t*, MemorySpace> shared_offsets(ExecutionSpace const& exec, index_t n) {
     int const S = shared_->num_slots();
-    if (shared_offsets_.extent(0) != static_cast<std::size_t>(S + 1) || shared_n_ != n) {
-      shared_offsets_ = Kokkos::View<index_t*, MemorySpace>("KokkosMoE::Layer::shared_offsets", S + 1);
-      auto h = Kokkos::create_mirror_view(shared_offsets_);
-      for (int s = 0; s <= S; ++s) h(s) = s * n;
-      Kokkos::deep_copy(shared_offsets_, h);
-      shared_n_ = n;
-    }
-    return shared_offsets_;
+    auto o = work_.template vector<index_t>(exec, "shared_offsets", S + 1);
+    Kokkos::parallel_for(
+        "KokkosMoE::Layer::shared_offsets", Kokkos::RangePolicy<ExecutionSpace>(exec, 0, S + 1),
+        KOKKOS_LAMBDA(int s) { o(s) = static_cast<index_t>(s) * n; });
+    return o;
   }
 
   /// The experts' backward computes with the GEMM the deck chose for the
@@ -780,7 +780,7 @@ class MoELayer {
     // Each shared expert sees every token: segment s of the batch is a copy of hidden.
     auto x = shared_batch(exec, hidden, "shared_x");
     auto y = work_.template matrix<float>(exec, "shared_y", n * S, static_cast<std::size_t>(d));
-    shared_runner_.run(exec, *shared_, x, shared_offsets(n), y);
+    shared_runner_.run(exec, *shared_, x, shared_offsets(exec, n), y);
     return y;
   }
 
@@ -841,8 +841,6 @@ class MoELayer {
   std::map<Exchange::Algorithm, std::unique_ptr<exchange_type>> exchanges_;
   Workspace<MemorySpace> work_{"KokkosMoE::Layer"};
   Experts::ExpertGradients<MemorySpace> shared_block_grads_;  ///< one block's, for the reproducible shared-expert sum
-  Kokkos::View<index_t*, MemorySpace> shared_offsets_;
-  index_t shared_n_ = -1;
 };
 
 }  // namespace KokkosMoE

@@ -111,6 +111,7 @@ inline Exchange::ExchangeConfig exchange_config(LayerDeck const& d) {
   c.watchdog_seconds = d.exchange.watchdog_seconds;
   c.verify_send_rows = d.exchange.verify_send_rows;
   c.stage_through_host = d.exchange.stage_through_host;
+  c.pair_runs = d.exchange.pair_runs;
   c.receive_into_experts = d.exchange.receive_into_experts;
   c.waves = d.exchange.waves;
   c.sender_cf = d.exchange.sender_cf;
