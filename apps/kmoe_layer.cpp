@@ -768,9 +768,13 @@ int main(int argc, char* argv[]) {
     app.add_option("--record-routes", opt.record_routes, "write every step's routes as a trace (overrides [run] record_routes)");
     app.add_option("--algorithm", opt.algorithm, "exchange algorithm (overrides [exchange] algorithm)")
         ->check(CLI::IsMember(enum_names<Exchange::Algorithm>()));
-    std::string transport;
+    std::string transport, experts_kernel, experts_gemm;
     app.add_option("--transport", transport, "how rows move (overrides [exchange] transport)")
         ->check(CLI::IsMember(enum_names<Exchange::TransportKind>()));
+    app.add_option("--experts-kernel", experts_kernel, "grouped and block runners' kernel (overrides [experts] kernel)")
+        ->check(CLI::IsMember(enum_names<Experts::GroupedKernel>()));
+    app.add_option("--experts-gemm", experts_gemm, "experts' GEMM path, forward and backward (overrides [experts] gemm)")
+        ->check(CLI::IsMember(enum_names<GemmPath>()));
     app.add_option("--rebalance-every", opt.rebalance_every,
                    "rebalance the EPLB placement every N steps, 0 never (overrides [placement] rebalance_every)")
         ->check(CLI::NonNegativeNumber);
@@ -782,6 +786,8 @@ int main(int argc, char* argv[]) {
       KOKKOSMOE_REQUIRE(Exchange::transport_available(deck.exchange.transport),
                         "--transport " << transport << ": " << Exchange::transport_unavailable_reason(deck.exchange.transport));
     }
+    if (!experts_kernel.empty()) deck.experts.kernel = from_string<Experts::GroupedKernel>(experts_kernel);
+    if (!experts_gemm.empty()) deck.experts.gemm = from_string<GemmPath>(experts_gemm);
     if (rank == 0) {
       std::cout << build_summary() << "\n";
       print_kokkos_configuration(std::cout);

@@ -85,10 +85,18 @@ class NcclCommunicator {
   explicit NcclCommunicator(Topology::Communicator const& c) {
     std::string const conflict = nccl_device_conflict(c);
     KOKKOSMOE_REQUIRE(conflict.empty(), conflict);
-    ncclUniqueId id;
-    if (c.my_slot() == 0) KOKKOSMOE_NCCL_CHECK(ncclGetUniqueId(&id));
-    KOKKOSMOE_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, c.comm()), c.comm());
-    KOKKOSMOE_NCCL_CHECK(ncclCommInitRank(&comm_, c.size(), id, c.my_slot()));
+    // Slot 0's id travels with its result, so that a failure there fails
+    // every rank alike instead of leaving the others in the broadcast.
+    struct {
+      int result;
+      ncclUniqueId id;
+    } root{};
+    if (c.my_slot() == 0) root.result = static_cast<int>(ncclGetUniqueId(&root.id));
+    KOKKOSMOE_MPI_CHECK(MPI_Bcast(&root, static_cast<int>(sizeof root), MPI_BYTE, 0, c.comm()), c.comm());
+    KOKKOSMOE_REQUIRE(root.result == static_cast<int>(ncclSuccess),
+                      "ncclGetUniqueId on peer slot 0 of " << c.name() << " (rank " << c.global_rank(0)
+                                                           << ") failed: " << ncclGetErrorString(static_cast<ncclResult_t>(root.result)));
+    KOKKOSMOE_NCCL_CHECK(ncclCommInitRank(&comm_, c.size(), root.id, c.my_slot()));
   }
   ~NcclCommunicator() {
     if (comm_) ncclCommDestroy(comm_);

@@ -108,19 +108,14 @@ inline ColumnProblem column_major(RowProduct const& p) {
   return c;
 }
 
-/// \brief Whether an operand at address p of a product with inner dimension
-/// k (elements of elem_bytes) has the alignment that vendor grouped and
-/// batched GEMMs assume: they read the operand pointers from device memory,
-/// so they cannot see it, and cuBLAS documents for them (tensor-core and
-/// fast modes) 16 bytes where k elements span a multiple of 16 bytes and 4
-/// bytes where they span a multiple of 4. Row offsets into a matrix whose
-/// width is not a multiple of 16 bytes (bf16 rows of 20 elements) break it.
-inline bool grouped_operand_aligned(std::uintptr_t p, int k, std::size_t elem_bytes) {
-  std::size_t const span = static_cast<std::size_t>(k) * elem_bytes;
-  if (span % 16 == 0) return p % 16 == 0;
-  if (span % 4 == 0) return p % 4 == 0;
-  return true;
-}
+/// \brief Whether an operand at address p suits vendor grouped and batched
+/// GEMMs, which read the operand pointers from device memory and so cannot
+/// see their alignment: 16 bytes, the alignment cuBLAS documents as the one
+/// its fast (tensor-core) kernels may assume for every such pointer (with a
+/// weaker rule for some inner dimensions, not relied on here). Row offsets
+/// into a matrix whose rows are not a multiple of 16 bytes (bf16 rows of 20
+/// elements) break it.
+inline bool grouped_operand_aligned(std::uintptr_t p) { return p % 16 == 0; }
 
 /// \brief A grouped GEMM in one vendor call over a list of products of
 /// element type T (FP32 accumulation, C in T): tpls/ specializes it where a

@@ -87,13 +87,13 @@ struct GroupedProblems {
     size.push_back(1);
   }
   int count() const { return static_cast<int>(m.size()); }
-  /// Every operand pointer has the alignment cuBLAS's grouped kernels
-  /// assume for its problem (grouped_operand_aligned).
-  bool aligned(std::size_t elem_bytes) const {
+  /// Every operand pointer has the alignment cuBLAS's grouped kernels may
+  /// assume (grouped_operand_aligned).
+  bool aligned() const {
     for (std::size_t i = 0; i < m.size(); ++i)
-      if (!grouped_operand_aligned(reinterpret_cast<std::uintptr_t>(a[i]), k[i], elem_bytes) ||
-          !grouped_operand_aligned(reinterpret_cast<std::uintptr_t>(b[i]), k[i], elem_bytes) ||
-          !grouped_operand_aligned(reinterpret_cast<std::uintptr_t>(c[i]), k[i], elem_bytes))
+      if (!grouped_operand_aligned(reinterpret_cast<std::uintptr_t>(a[i])) ||
+          !grouped_operand_aligned(reinterpret_cast<std::uintptr_t>(b[i])) ||
+          !grouped_operand_aligned(reinterpret_cast<std::uintptr_t>(c[i])))
         return false;
     return true;
   }
@@ -139,7 +139,7 @@ inline void grouped_gemm(cublasHandle_t h, GroupedProblems const& p, void* const
                                 p.ldb[i], &p.beta[i], p.c[i], c_type, p.ldc[i], CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                    "cublasGemmEx (grouped problems one by one)");
   };
-  if (!p.aligned(cuda_data_type_bytes(ab_type)) || !p.aligned(cuda_data_type_bytes(c_type))) {
+  if (!p.aligned()) {
     one_by_one("KokkosMoE::Experts::grouped_gemm[TPL_CUBLAS,per-problem:unaligned]");
     return;
   }

@@ -15,7 +15,6 @@
 #if defined(KOKKOSMOE_HAVE_CUBLAS) && defined(KOKKOS_ENABLE_CUDA)
 #include <cublas_v2.h>
 
-#include <cstddef>
 #include <type_traits>
 
 namespace KokkosMoE {
@@ -48,13 +47,6 @@ template <class T>
 constexpr cudaDataType_t cuda_data_type() {
   static_assert(std::is_same<T, float>::value || std::is_same<T, bf16_t>::value, "cuBLAS paths: float or bf16_t");
   return std::is_same<T, float>::value ? CUDA_R_32F : CUDA_R_16BF;
-}
-
-/// Bytes per element of the CUDA data types the cuBLAS paths use.
-inline std::size_t cuda_data_type_bytes(cudaDataType_t t) {
-  KOKKOSMOE_REQUIRE(t == CUDA_R_32F || t == CUDA_R_16BF || t == CUDA_R_16F,
-                    "cuBLAS paths: no element size for CUDA data type " << static_cast<int>(t));
-  return t == CUDA_R_32F ? 4 : 2;
 }
 
 }  // namespace Impl

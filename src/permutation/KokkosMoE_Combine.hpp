@@ -69,50 +69,44 @@ void check_inverse(Exec const& exec, DispatchPlan<MS> const& plan, char const* l
   }
 }
 
-/// out(t, :) = sum_j w_j * row(inv(route_index(t, j)), :) over accepted j,
-/// in k-slot order; w_j = gate or 1.
+/// The combine's team body: out(t, :) = sum_j w_j * row(inv(route_index(t,
+/// j)), :). A named functor, not a lambda: its host and device bodies differ,
+/// and nvcc's two passes would have to lay out a lambda's captures alike (the
+/// same variables, first named in the same order); members are declared once.
 template <class Exec, class MS, class T>
-void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
-                        PayloadBuffer<MS> const& returned, bool use_gate, RowMatrix<T, MS> const& out, char const* label) {
-  KOKKOSMOE_REQUIRE(returned.rows() == plan.rows(),
-                    label << ": " << returned.rows() << " returned rows for " << plan.rows() << " dispatched routes");
-  check_inverse(exec, plan, label);
-  KOKKOSMOE_REQUIRE(static_cast<index_t>(out.extent(0)) == routes.num_tokens && static_cast<int>(out.extent(1)) == returned.width,
-                    label << ": output is " << out.extent(0) << "x" << out.extent(1) << ", expected " << routes.num_tokens
-                          << "x" << returned.width);
-  index_t const n_tokens = routes.num_tokens;
-  if (n_tokens == 0) return;
-  int const k = routes.top_k;
-  int const d = returned.width;
-  PayloadType const type = returned.type;
-  auto rows = returned.bytes;
-  auto route_index = routes.route_index;
-  auto inv = plan.inv;
-  auto gate = routes.gate;
-  using policy_t = Kokkos::TeamPolicy<Exec>;
-  using member_t = typename policy_t::member_type;
+struct WeightedRouteSum {
+  using member_t = typename Kokkos::TeamPolicy<Exec>::member_type;
   using scratch_t = Kokkos::View<float*, typename Exec::scratch_memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
   static_assert(std::is_same<T, float>::value || std::is_same<T, bf16_t>::value, "combine writes float or bf16_t rows");
-  constexpr bool direct = std::is_same<T, float>::value;
-  std::size_t const bytes = direct ? 0 : scratch_t::shmem_size(static_cast<std::size_t>(d));
-  int const level = bytes > 32768 ? 1 : 0;
-  // Devices: eight elements per vector lane with 16-byte loads and stores and
-  // the sums in registers, where widths and alignment allow.
-  bool const vec8 = (type == PayloadType::bf16 || type == PayloadType::fp32) && d % 8 == 0 && aligned16(rows.data()) &&
-                    aligned16(out.data());
-  auto policy = Impl::row_policy(exec, n_tokens);
-  if (!direct) policy.set_scratch_size(level, Kokkos::PerTeam(bytes));
-  Kokkos::parallel_for(label, policy, KOKKOS_LAMBDA(member_t const& team) {
-    index_t const t = team.league_rank();
-    float* acc;
-    // A plain if: CUDA lambdas may not first-capture inside if constexpr.
-    if (direct) {
-      acc = reinterpret_cast<float*>(&out(t, 0));
+  /// float rows accumulate in place; bf16 rows in a team scratch row.
+  static constexpr bool direct = std::is_same<T, float>::value;
+
+  RowMatrix<T, MS> out;
+  typename PayloadBuffer<MS>::bytes_view rows;
+  Kokkos::View<index_t**, Kokkos::LayoutRight, MS> route_index;
+  Kokkos::View<float*, MS> gate;
+  Kokkos::View<index_t*, MS> inv;
+  index_t n_tokens = 0;
+  int k = 0, d = 0, level = 0;
+  PayloadType type = PayloadType::fp32;
+  bool use_gate = true;
+  /// Devices: eight elements per vector lane with 16-byte loads and stores
+  /// and the sums in registers (bf16/fp32 rows, d % 8 == 0, aligned rows).
+  bool vec8 = false;
+
+  KOKKOS_INLINE_FUNCTION float* accumulator(member_t const& team, index_t t) const {
+    if constexpr (direct) {
+      return &out(t, 0);
     } else {
-      acc = scratch_t(team.team_scratch(level), d).data();
+      (void)t;
+      return scratch_t(team.team_scratch(level), d).data();
     }
+  }
+
+  KOKKOS_INLINE_FUNCTION void operator()(member_t const& team) const {
+    index_t const t = team.league_rank();
+    float* acc = nullptr;
 #if !KOKKOSMOE_DEVICE_PASS
-    (void)vec8;
     // Host: one thread per team; bf16/fp32 rows go through the ISA-dispatched
     // row kernel (same bits as the loops below, k rows streamed together).
     constexpr int max_k = 64;
@@ -131,10 +125,11 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
         index_t const a = route_index(t + 1, j);
         if (a >= 0) next[n_next++] = &rows(inv(a), 0);
       }
-      if (direct) host_weighted_rows(type, src, wt, n, d, reinterpret_cast<float*>(&out(t, 0)), nullptr, next, n_next);
+      if constexpr (direct) host_weighted_rows(type, src, wt, n, d, &out(t, 0), nullptr, next, n_next);
       else host_weighted_rows(type, src, wt, n, d, nullptr, reinterpret_cast<std::uint16_t*>(&out(t, 0)), next, n_next);
       return;
     }
+    acc = accumulator(team, t);
     for (int c = 0; c < d; ++c) acc[c] = 0.0f;
     for (int j = 0; j < k; ++j) {
       index_t const a = route_index(t, j);
@@ -142,8 +137,6 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
       axpy_row(acc, &rows(inv(a), 0), type, use_gate ? gate(a) : 1.0f, d);
     }
 #else
-    // Both compiler passes of a CUDA lambda must capture the same variables.
-    (void)n_tokens;
     if (vec8) {
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d / 8), [&](int v) {
         float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -162,6 +155,7 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
       });
       return;
     }
+    acc = accumulator(team, t);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](int c) { acc[c] = 0.0f; });
     for (int j = 0; j < k; ++j) {
       index_t const a = route_index(t, j);
@@ -184,7 +178,44 @@ void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchP
     if constexpr (!direct) {
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](int c) { out(t, c) = from_float<T>(acc[c]); });
     }
-  });
+  }
+};
+
+/// out(t, :) = sum_j w_j * row(inv(route_index(t, j)), :) over accepted j,
+/// in k-slot order; w_j = gate or 1.
+template <class Exec, class MS, class T>
+void weighted_route_sum(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan,
+                        PayloadBuffer<MS> const& returned, bool use_gate, RowMatrix<T, MS> const& out, char const* label) {
+  KOKKOSMOE_REQUIRE(returned.rows() == plan.rows(),
+                    label << ": " << returned.rows() << " returned rows for " << plan.rows() << " dispatched routes");
+  check_inverse(exec, plan, label);
+  KOKKOSMOE_REQUIRE(static_cast<index_t>(out.extent(0)) == routes.num_tokens && static_cast<int>(out.extent(1)) == returned.width,
+                    label << ": output is " << out.extent(0) << "x" << out.extent(1) << ", expected " << routes.num_tokens
+                          << "x" << returned.width);
+  if (routes.num_tokens == 0) return;
+  using body_t = WeightedRouteSum<Exec, MS, T>;
+  body_t body;
+  body.out = out;
+  body.rows = returned.bytes;
+  body.route_index = routes.route_index;
+  body.gate = routes.gate;
+  body.inv = plan.inv;
+  body.n_tokens = routes.num_tokens;
+  body.k = routes.top_k;
+  body.d = returned.width;
+  body.type = returned.type;
+  body.use_gate = use_gate;
+  body.vec8 = (body.type == PayloadType::bf16 || body.type == PayloadType::fp32) && body.d % 8 == 0 &&
+              aligned16(returned.bytes.data()) && aligned16(out.data());
+  // A scratch row for bf16 outputs, except where the device's eight-wide
+  // path keeps the sums in registers.
+  std::size_t const bytes = body_t::direct || (body.vec8 && !runs_on_host<Exec>())
+                                ? 0
+                                : body_t::scratch_t::shmem_size(static_cast<std::size_t>(body.d));
+  body.level = bytes > 32768 ? 1 : 0;
+  auto policy = Impl::row_policy(exec, routes.num_tokens);
+  if (bytes > 0) policy.set_scratch_size(body.level, Kokkos::PerTeam(bytes));
+  Kokkos::parallel_for(label, policy, body);
 }
 
 }  // namespace Impl
