@@ -135,13 +135,14 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
                                std::vector<index_t> const& recv_counts, char const* what, TransportOptions const& options) override {
     int const P = comm.size();
     int const me = comm.my_slot();
-    // The checks of every transport (the MPI one makes the same), before
-    // NCCL is handed any pointer.
-    auto const segments = Impl::checked_segments(comm, sets, send_counts, recv_counts, what, /*pair_runs=*/true);
-    std::vector<index_t> const &soff = segments.first, &roff = segments.second;
     // NCCL and the transport's stream on exec's GPU, whichever thread calls.
     KOKKOSMOE_CUDA_CHECK(cudaSetDevice(exec.cuda_device()));
+    // The communicator first (collective on first use: every rank gets
+    // there), then the checks every transport makes before NCCL is handed a
+    // pointer; a rank that fails them leaves its peers to the watchdog.
     auto& nc = communicator(comm);
+    auto const segments = Impl::checked_segments(comm, sets, send_counts, recv_counts, what, /*pair_runs=*/true);
+    std::vector<index_t> const &soff = segments.first, &roff = segments.second;
     cudaStream_t const stream = comm_stream();
     for (auto const& s : sets)
       if (me >= 0 && send_counts[me] > 0 && !s.self_in_place)
@@ -154,24 +155,34 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
     KOKKOSMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, ready->get(), 0));
     // One send (receive) per peer segment, or per run: NCCL pairs them in
     // order, so both sides' runs must have the same lengths.
-    GroupCall group;
-    for (auto const& s : sets) {
-      std::size_t const rb = s.send.extent(1);
-      for (int p = 0; p < P; ++p) {
-        if (p == me) continue;
-        if (send_counts[p] > 0)
-          for (auto const& [first, n] : Impl::runs_of(s.send_runs, soff, p))
-            if (n > 0)
-              KOKKOSMOE_NCCL_CHECK(ncclSend(s.send.data() + static_cast<std::size_t>(first) * rb, static_cast<std::size_t>(n) * rb,
-                                            ncclUint8, p, nc.get(), stream));
-        if (recv_counts[p] > 0)
-          for (auto const& [first, n] : Impl::runs_of(s.recv_runs, roff, p))
-            if (n > 0)
-              KOKKOSMOE_NCCL_CHECK(ncclRecv(s.recv.data() + static_cast<std::size_t>(first) * rb, static_cast<std::size_t>(n) * rb,
-                                            ncclUint8, p, nc.get(), stream));
+    // A throw inside the group (a refused send or receive, or no memory)
+    // must not leave the group open, nor launch the part already enqueued
+    // unpaired: the group ends and the communicator is aborted.
+    KOKKOSMOE_NCCL_CHECK(ncclGroupStart());
+    try {
+      for (auto const& s : sets) {
+        std::size_t const rb = s.send.extent(1);
+        for (int p = 0; p < P; ++p) {
+          if (p == me) continue;
+          if (send_counts[p] > 0)
+            for (auto const& [first, n] : Impl::runs_of(s.send_runs, soff, p))
+              if (n > 0)
+                KOKKOSMOE_NCCL_CHECK(ncclSend(s.send.data() + static_cast<std::size_t>(first) * rb, static_cast<std::size_t>(n) * rb,
+                                              ncclUint8, p, nc.get(), stream));
+          if (recv_counts[p] > 0)
+            for (auto const& [first, n] : Impl::runs_of(s.recv_runs, roff, p))
+              if (n > 0)
+                KOKKOSMOE_NCCL_CHECK(ncclRecv(s.recv.data() + static_cast<std::size_t>(first) * rb, static_cast<std::size_t>(n) * rb,
+                                              ncclUint8, p, nc.get(), stream));
+        }
       }
+    } catch (...) {
+      ncclGroupEnd();
+      nc.abort();
+      comms_.erase(comm.comm());
+      throw;
     }
-    group.end();
+    KOKKOSMOE_NCCL_CHECK(ncclGroupEnd());
     KOKKOSMOE_CUDA_CHECK(cudaEventRecord(done->get(), stream));
     Topology::Communicator const* c = &comm;
     std::string const label = what;
@@ -209,26 +220,6 @@ class NcclTransport final : public Transport<Kokkos::Cuda, MemorySpace> {
     }
     return *slot;
   }
-
-  /// ncclGroupStart ... ncclGroupEnd; a throw between them (a refused
-  /// send or receive) still ends the group, so later NCCL calls on this
-  /// thread do not join a group that never ends.
-  class GroupCall {
-   public:
-    GroupCall() { KOKKOSMOE_NCCL_CHECK(ncclGroupStart()); }
-    ~GroupCall() {
-      if (open_) ncclGroupEnd();
-    }
-    GroupCall(GroupCall const&) = delete;
-    GroupCall& operator=(GroupCall const&) = delete;
-    void end() {
-      open_ = false;
-      KOKKOSMOE_NCCL_CHECK(ncclGroupEnd());
-    }
-
-   private:
-    bool open_ = true;
-  };
 
   /// A CUDA event without timing, destroyed with its owner.
   class Event {

@@ -49,7 +49,8 @@
 /// the combine. The static shapes, the waves, which routes are dropped, and
 /// the bits are the same as with in-band headers.
 /// A message whose two sides cut it into different runs is what MPI's
-/// derived datatypes allow (RowSet::one_message); NCCL keeps in-band headers.
+/// derived datatypes allow (RowSet::one_message); NCCL, and MPI with
+/// pair_runs, keep in-band headers.
 
 #include <KokkosMoE_CountingSort.hpp>
 #include <KokkosMoE_Exchange_Planner.hpp>
@@ -112,7 +113,8 @@ class PooledWaveExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace
 
   /// \brief Whether rows of type T go straight to and from the expert rows:
   /// both payloads T's own (ExchangeConfig::receive_into_experts) over a
-  /// transport that moves a peer's runs as one message (MPI).
+  /// transport that moves a peer's runs as one message (MPI without
+  /// pair_runs).
   template <class T>
   bool direct_rows() const {
     return this->template receives_into_experts<T>() && this->transport_->gathers_runs();

@@ -176,13 +176,15 @@ struct Pending {
   bool data_done = false;
   bool stamp_done = true;
   std::int64_t exact_bytes = -1;  ///< a receive that must get exactly these bytes (pair_runs); -1: up to its size
+  std::int64_t got_bytes = -1;    ///< with exact_bytes: the bytes that came (-2: more than fit)
 };
 
 /// Posts one nonblocking send or receive of `count` elements of `type` with
 /// the peer in slot `peer` of comm, appending it to pending; with an emulated
 /// fabric in options, also its stamp. A receive with options.pair_runs must
 /// get exactly its size (the send paired with it has the same rows), else
-/// completing it throws Error naming the peer and both sizes.
+/// wait_all, once every request is complete, throws Error naming the peer
+/// and both sizes (on the receiving rank).
 void post(Topology::Communicator const& comm, bool receive, void* buf, int count, MPI_Datatype type, int peer, int tag,
           std::vector<Pending>& pending, TransportOptions const& options);
 
@@ -291,7 +293,7 @@ std::pair<std::vector<index_t>, std::vector<index_t>> checked_segments(Topology:
 /// instead when MPI reads and writes the buffers directly (host memory or
 /// CUDA-aware MPI; a host-staged transfer completes before returning). A
 /// receive count of a contiguous segment may exceed the peer's send count
-/// (Transport::receives_up_to).
+/// (Transport::receives_up_to), except with options.pair_runs.
 template <class Exec, class MS>
 RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& comm, std::vector<RowSet<MS>> const& sets,
                                 std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, char const* what,
@@ -393,12 +395,13 @@ class Transport {
   /// True when a receive count may be an upper bound: a peer sending fewer
   /// rows (its send count) completes the receive, and the rest of that
   /// peer's segment is left as it was. Only for contiguous receive segments
-  /// (no receive runs; a peer sends one run). MPI receives work so; NCCL
-  /// pairs sends and receives of equal sizes only.
+  /// (no receive runs; a peer sends one run). MPI receives work so (not
+  /// with pair_runs); NCCL pairs sends and receives of equal sizes only.
   virtual bool receives_up_to() const { return false; }
   /// True when a peer's runs may travel as one message whose two sides cut
   /// it into different runs (RowSet::one_message): MPI's derived datatypes
-  /// do; NCCL pairs sends and receives of equal contiguous sizes only.
+  /// do (not with pair_runs); NCCL pairs sends and receives of equal
+  /// contiguous sizes only.
   virtual bool gathers_runs() const { return false; }
   /// Counts per peer slot of comm, already agreed; returns with the receive
   /// rows written (blocking on exec).

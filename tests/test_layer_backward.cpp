@@ -295,9 +295,10 @@ TEST_CASE("sends and receives paired as NCCL pairs them: the same forward and ba
   int const size = kmoe_test::world_size(), rank = kmoe_test::world_rank();
   for (std::string const algorithm : {"flat", "hierarchical", "pooled_wave"}) {
     for (std::string const schedule : {"serial", "chunked"}) {
+      INFO(algorithm << " " << schedule << " at " << size << " ranks");
       std::vector<std::vector<float>> results;
       for (bool const paired : {false, true}) {
-        INFO(algorithm << " " << schedule << (paired ? " paired" : " gathered") << " at " << size << " ranks");
+        INFO((paired ? "paired" : "gathered"));
         std::string text = deck_text(algorithm, size % 2 == 0 ? 2 : 1, schedule);
         if (paired) text.replace(text.find("[exchange]\n"), 11, "[exchange]\npair_runs = true\n");
         Built b(text, MPI_COMM_WORLD);

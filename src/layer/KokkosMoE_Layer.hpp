@@ -532,7 +532,7 @@ class MoELayer {
   /// Segment offsets of a shared batch of n tokens per expert (s n for
   /// s = 0..S), written on exec into the layer's workspace: batches of
   /// different sizes in one step (a backward's last, shorter block) allocate
-  /// nothing and need no host copy.
+  /// nothing and no host mirror.
   Kokkos::View<index_t*, MemorySpace> shared_offsets(ExecutionSpace const& exec, index_t n) {
     int const S = shared_->num_slots();
     auto o = work_.template vector<index_t>(exec, "shared_offsets", S + 1);
