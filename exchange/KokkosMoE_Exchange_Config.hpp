@@ -21,13 +21,18 @@ class FabricEmulator;
 
 /// \brief Exchange algorithms; every one implements the contract of
 /// KokkosMoE_Exchange.hpp (dispatch / combine through a handle).
-enum class Algorithm { flat, hierarchical, pooled_wave };
+/// hierarchical_dedup is the hierarchical relay exchange with node
+/// deduplication: a token's row crosses to each remote node once, and that
+/// node's relay returns one gated partial sum per token
+/// (KokkosMoE_Exchange_HierarchicalDedup.hpp).
+enum class Algorithm { flat, hierarchical, pooled_wave, hierarchical_dedup };
 
 inline EnumTable<Algorithm> const& names_of(Algorithm) {
   static EnumTable<Algorithm> const t{"exchange algorithm",
                                       {{Algorithm::flat, "flat"},
                                        {Algorithm::hierarchical, "hierarchical"},
-                                       {Algorithm::pooled_wave, "pooled_wave"}}};
+                                       {Algorithm::pooled_wave, "pooled_wave"},
+                                       {Algorithm::hierarchical_dedup, "hierarchical_dedup"}}};
   return t;
 }
 

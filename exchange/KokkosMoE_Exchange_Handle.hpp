@@ -86,6 +86,16 @@ struct DispatchHandle {
   Kokkos::View<RowMeta*, MemorySpace> arrived_meta;
   RepackPlan<MemorySpace> repack;
 
+  /// Exchanges that return partial sums (hierarchical_dedup): how the
+  /// gate-weighted combine must read the return buffer. combine_route_index
+  /// [T, k] is the route plan's route_index with -1 for every route whose
+  /// result arrives inside another route's row, and combine_gate (by route)
+  /// the weight of each row that remains: the gate for a row of one route,
+  /// 1 for a partial sum whose gates were applied where it was summed.
+  /// Empty for exchanges that return one row per route (see combine_routes).
+  Kokkos::View<index_t**, Kokkos::LayoutRight, MemorySpace> combine_route_index;
+  Kokkos::View<float*, MemorySpace> combine_gate;
+
   ByteLedger ledger;     ///< this rank's moves (combine's filled by combine)
   std::any state;        ///< the algorithm's own record for the reverse
 
@@ -104,6 +114,19 @@ struct DispatchHandle {
   index_t rows() const { return static_cast<index_t>(expert_rows.extent(0)); }
   int num_local_slots() const { return static_cast<int>(expert_counts.size()); }
 };
+
+/// \brief The routes as combine() (KokkosMoE_Combine.hpp) must read the
+/// return buffer that h's combine filled: `routes` itself for an exchange
+/// that returns one row per route, else `routes` with the handle's
+/// combine_route_index and combine_gate (partial sums of a node-deduplicating
+/// exchange, each added once with weight 1).
+template <class T, class MS>
+RoutePlan<MS> combine_routes(RoutePlan<MS> routes, DispatchHandle<T, MS> const& h) {
+  if (h.combine_route_index.extent(0) == 0 && h.combine_gate.extent(0) == 0) return routes;
+  routes.route_index = h.combine_route_index;
+  routes.gate = h.combine_gate;
+  return routes;
+}
 
 }  // namespace Exchange
 }  // namespace KokkosMoE

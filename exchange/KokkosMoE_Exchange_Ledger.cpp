@@ -20,6 +20,9 @@ ClassCounts StageLedger::total() const {
     t.payload_bytes += c.payload_bytes;
     t.meta_bytes += c.meta_bytes;
     t.messages += c.messages;
+    t.pairs += c.pairs;
+    t.dedup_saved_rows += c.dedup_saved_rows;
+    t.dedup_saved_bytes += c.dedup_saved_bytes;
   }
   return t;
 }
@@ -32,8 +35,18 @@ ClassCounts DirectionLedger::by_class(LinkClass c) const {
     t.payload_bytes += x.payload_bytes;
     t.meta_bytes += x.meta_bytes;
     t.messages += x.messages;
+    t.pairs += x.pairs;
+    t.dedup_saved_rows += x.dedup_saved_rows;
+    t.dedup_saved_bytes += x.dedup_saved_bytes;
   }
   return t;
+}
+
+std::int64_t DirectionLedger::pairs() const {
+  std::int64_t n = 0;
+  for (auto const& s : stages)
+    for (auto const& c : s.by_class) n += c.pairs;
+  return n;
 }
 
 std::int64_t DirectionLedger::relay_rows() const {
@@ -55,7 +68,12 @@ std::int64_t DirectionLedger::padding_rows() const {
 namespace {
 
 json counts_json(ClassCounts const& c) {
-  return json{{"rows", c.rows}, {"payload_bytes", c.payload_bytes}, {"meta_bytes", c.meta_bytes}, {"messages", c.messages}};
+  json j{{"rows", c.rows}, {"payload_bytes", c.payload_bytes}, {"meta_bytes", c.meta_bytes}, {"messages", c.messages}, {"pairs", c.pairs}};
+  if (c.dedup_saved_rows != 0 || c.dedup_saved_bytes != 0) {
+    j["dedup_saved_rows"] = c.dedup_saved_rows;
+    j["dedup_saved_bytes"] = c.dedup_saved_bytes;
+  }
+  return j;
 }
 
 json direction_json(DirectionLedger const& d) {
@@ -80,6 +98,7 @@ json direction_json(DirectionLedger const& d) {
   return json{{"stages", stages},
               {"totals", totals},
               {"useful_rows", d.useful_rows},
+              {"pairs", d.pairs()},
               {"relay_rows", d.relay_rows()},
               {"relay_bytes", d.relay_bytes()},
               {"padding_rows", d.padding_rows()},
@@ -99,6 +118,9 @@ void flatten(DirectionLedger const& d, std::vector<std::int64_t>& v) {
       v.push_back(c.payload_bytes);
       v.push_back(c.meta_bytes);
       v.push_back(c.messages);
+      v.push_back(c.pairs);
+      v.push_back(c.dedup_saved_rows);
+      v.push_back(c.dedup_saved_bytes);
     }
     v.push_back(s.relay_rows);
     v.push_back(s.relay_bytes);
@@ -117,6 +139,9 @@ void unflatten(DirectionLedger& d, std::vector<std::int64_t> const& v, std::size
       c.payload_bytes = v[i++];
       c.meta_bytes = v[i++];
       c.messages = v[i++];
+      c.pairs = v[i++];
+      c.dedup_saved_rows = v[i++];
+      c.dedup_saved_bytes = v[i++];
     }
     s.relay_rows = v[i++];
     s.relay_bytes = v[i++];
@@ -216,7 +241,7 @@ std::string ByteLedger::table() const {
      << " B meta/row, " << ranks << " rank" << (ranks > 1 ? "s" : "") << ")\n";
   os << std::left << std::setw(10) << "direction" << std::setw(26) << "stage" << std::setw(12) << "class"
      << std::right << std::setw(12) << "rows" << std::setw(16) << "payload_B" << std::setw(14) << "meta_B"
-     << std::setw(10) << "msgs" << std::setw(12) << "seconds" << "\n";
+     << std::setw(10) << "msgs" << std::setw(8) << "pairs" << std::setw(12) << "seconds" << "\n";
   for (auto const* dir : {&dispatch, &combine}) {
     char const* dname = dir == &dispatch ? "dispatch" : "combine";
     for (auto const& s : dir->stages)
@@ -225,12 +250,17 @@ std::string ByteLedger::table() const {
         if (x.rows == 0 && x.messages == 0) continue;
         os << std::left << std::setw(10) << dname << std::setw(26) << s.name << std::setw(12)
            << to_string(static_cast<LinkClass>(c)) << std::right << std::setw(12) << x.rows << std::setw(16)
-           << x.payload_bytes << std::setw(14) << x.meta_bytes << std::setw(10) << x.messages << std::setw(12)
-           << s.seconds << "\n";
+           << x.payload_bytes << std::setw(14) << x.meta_bytes << std::setw(10) << x.messages << std::setw(8) << x.pairs
+           << std::setw(12) << s.seconds << "\n";
       }
     os << std::left << std::setw(10) << dname << "useful_rows=" << dir->useful_rows << " relay_rows=" << dir->relay_rows()
        << " relay_bytes=" << dir->relay_bytes() << " padding_rows=" << dir->padding_rows()
-       << " sender_drops=" << dir->sender_drops << " receiver_drops=" << dir->receiver_drops << "\n";
+       << " sender_drops=" << dir->sender_drops << " receiver_drops=" << dir->receiver_drops;
+    auto const saved = dir->by_class(LinkClass::inter_node).dedup_saved_rows + dir->by_class(LinkClass::intra_node).dedup_saved_rows;
+    if (saved > 0)
+      os << " dedup_saved_rows=" << saved << " (inter_node " << dir->by_class(LinkClass::inter_node).dedup_saved_rows << ", "
+         << dir->by_class(LinkClass::inter_node).dedup_saved_bytes << " B)";
+    os << "\n";
   }
   return os.str();
 }
@@ -245,11 +275,13 @@ void check_inter_node_equal(ByteLedger const& flat, ByteLedger const& hier) {
 
 void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::vector<int> const& peer_global, int me,
                std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes,
-               std::vector<std::int64_t> const* runs, std::vector<std::int64_t> const* meta_runs) {
+               std::vector<std::int64_t> const* runs, std::vector<std::int64_t> const* meta_runs,
+               std::vector<std::int64_t> const* routes) {
   KOKKOSMOE_REQUIRE(rows.size() == peer_global.size(), "ledger: " << rows.size() << " counts for " << peer_global.size() << " peers");
   KOKKOSMOE_REQUIRE(!runs || runs->size() == rows.size(), "ledger: " << runs->size() << " run counts for " << rows.size() << " peers");
   KOKKOSMOE_REQUIRE(!meta_runs || meta_runs->size() == rows.size(),
                     "ledger: " << meta_runs->size() << " metadata run counts for " << rows.size() << " peers");
+  KOKKOSMOE_REQUIRE(!routes || routes->size() == rows.size(), "ledger: " << routes->size() << " route counts for " << rows.size() << " peers");
   if (!meta_runs) meta_runs = runs;
   for (std::size_t p = 0; p < rows.size(); ++p) {
     if (rows[p] == 0) continue;
@@ -265,6 +297,15 @@ void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::v
     std::int64_t const n = runs ? (*runs)[p] : 1;
     std::int64_t const m = meta_runs ? (*meta_runs)[p] : 1;
     x.messages += transfer_messages(n, rows[p], row_bytes) + (meta_row_bytes > 0 ? transfer_messages(m, rows[p], meta_row_bytes) : 0);
+    if (std::find(stage.paired.begin(), stage.paired.end(), g) == stage.paired.end()) {
+      stage.paired.push_back(g);
+      ++x.pairs;
+    }
+    if (routes) {
+      KOKKOSMOE_REQUIRE((*routes)[p] >= rows[p], "ledger: " << rows[p] << " rows to peer " << p << " stand for " << (*routes)[p] << " routes");
+      x.dedup_saved_rows += (*routes)[p] - rows[p];
+      x.dedup_saved_bytes += ((*routes)[p] - rows[p]) * row_bytes;
+    }
   }
 }
 

@@ -42,6 +42,15 @@ struct ClassCounts {
   /// rule; NCCL sends every run on its own). Count agreements are not rows
   /// and not counted here.
   std::int64_t messages = 0;
+  /// Directed (sender, receiver) pairs whose transfers carried payload rows
+  /// (each pair once per stage, however many transfers or messages it
+  /// took); summed over stages and ranks it counts pair-stages.
+  std::int64_t pairs = 0;
+  /// Node deduplication (hierarchical_dedup): rows this class did not carry
+  /// because one row stood for several routes of a token (routes carried
+  /// minus rows), and their payload bytes.
+  std::int64_t dedup_saved_rows = 0;
+  std::int64_t dedup_saved_bytes = 0;
 };
 
 /// \brief One stage of one direction (e.g. "gather to relay").
@@ -62,6 +71,9 @@ struct StageLedger {
   /// in its first stage.
   std::vector<std::string> extra_count_rounds{};
   double seconds = 0;             ///< wall time of the stage on this rank (max over ranks once reduced); 0 when planned
+  /// Receivers add_sends counted a pair for already (this rank's stage
+  /// only: not reported, compared or reduced).
+  std::vector<int> paired{};
 
   ClassCounts total() const;
 };
@@ -84,6 +96,8 @@ struct DirectionLedger {
   std::int64_t padding_rows() const;
   /// \brief Payload bytes that crossed nodes (all stages).
   std::int64_t inter_node_payload_bytes() const { return by_class(LinkClass::inter_node).payload_bytes; }
+  /// \brief Directed rank pairs that carried payload, summed over stages.
+  std::int64_t pairs() const;
 };
 
 /// \brief The ledger of one exchange call (or a sum of calls / ranks).
@@ -135,10 +149,13 @@ inline std::int64_t transfer_messages(std::int64_t runs, std::int64_t rows, std:
 /// rows[p] rows go to peer p (global rank peer_global[p]); me is the sender.
 /// runs[p] (when given) is the number of runs those rows travel in (see
 /// transfer_messages), 1 otherwise; their metadata travels in meta_runs[p]
-/// runs where given, else in the same runs as the rows.
+/// runs where given, else in the same runs as the rows. routes[p] (when
+/// given) is the number of routes those rows stand for (node
+/// deduplication); the rows and bytes that saved are counted per class.
 void add_sends(StageLedger& stage, std::vector<std::int64_t> const& rows, std::vector<int> const& peer_global, int me,
                std::vector<int> const& node_of_rank, std::int64_t row_bytes, std::int64_t meta_row_bytes,
-               std::vector<std::int64_t> const* runs = nullptr, std::vector<std::int64_t> const* meta_runs = nullptr);
+               std::vector<std::int64_t> const* runs = nullptr, std::vector<std::int64_t> const* meta_runs = nullptr,
+               std::vector<std::int64_t> const* routes = nullptr);
 
 }  // namespace Exchange
 }  // namespace KokkosMoE

@@ -389,6 +389,129 @@ std::vector<ByteLedger> plan_hierarchical(PlanInput const& in) {
   return out;
 }
 
+std::vector<ByteLedger> plan_hierarchical_dedup(PlanInput const& in) {
+  auto const flows = check_inputs(in);
+  auto const& topo = in.topology;
+  auto const& layout = in.layout;
+  int const N = topo.size();
+  int const nodes = topo.num_nodes();
+  auto const nor = nodes_of(topo);
+  auto const c = count_matrix(flows, N);
+  auto const Nu = static_cast<std::size_t>(N);
+  auto relay_on = [&](int r, int node) { return Topology::relay_for(topo, layout, r, node); };
+  // Per origin and node: units (tokens with a route there) and the routes they carry.
+  Matrix units(Nu, std::vector<std::int64_t>(static_cast<std::size_t>(nodes), 0)), unit_routes = units;
+  int k = 1;
+  for (int o = 0; o < N; ++o) {
+    auto const& rp = in.routes[static_cast<std::size_t>(o)];
+    k = std::max(k, rp.top_k);
+    int const a_node = nor[static_cast<std::size_t>(o)];
+    for (index_t t = 0; t < rp.num_tokens; ++t) {
+      std::vector<int> per_node(static_cast<std::size_t>(nodes), 0);
+      for (int j = 0; j < rp.top_k; ++j) {
+        index_t const a = rp.route_index(t, j);
+        if (a < 0) continue;
+        int const b = nor[static_cast<std::size_t>(rp.dest_rank(a))];
+        if (b != a_node) ++per_node[static_cast<std::size_t>(b)];
+      }
+      for (int b = 0; b < nodes; ++b)
+        if (per_node[static_cast<std::size_t>(b)] > 0) {
+          ++units[static_cast<std::size_t>(o)][static_cast<std::size_t>(b)];
+          unit_routes[static_cast<std::size_t>(o)][static_cast<std::size_t>(b)] += per_node[static_cast<std::size_t>(b)];
+        }
+    }
+  }
+  std::int64_t const unit_bytes = UnitMeta::bytes(k);
+  std::int64_t const meta = static_cast<std::int64_t>(sizeof(RowMeta));
+  // Stage 1 units (origin -> its relay), stage 2 units (relay -> relay),
+  // stage 3 rows (the destination relay -> final rank), with their routes.
+  Matrix u1(Nu, std::vector<std::int64_t>(Nu, 0)), u1r = u1, s2 = u1, s2r = u1, s3 = u1;
+  for (int o = 0; o < N; ++o) {
+    auto const ou = static_cast<std::size_t>(o);
+    int const a_node = nor[ou];
+    auto const ra = static_cast<std::size_t>(relay_on(o, a_node));
+    for (int b = 0; b < nodes; ++b) {
+      auto const bu = static_cast<std::size_t>(b);
+      if (b == a_node || units[ou][bu] == 0) continue;
+      u1[ou][ra] += units[ou][bu];
+      u1r[ou][ra] += unit_routes[ou][bu];
+      auto const rb = static_cast<std::size_t>(relay_on(o, b));
+      s2[ra][rb] += units[ou][bu];
+      s2r[ra][rb] += unit_routes[ou][bu];
+    }
+    for (int x = 0; x < N; ++x) {
+      auto const xu = static_cast<std::size_t>(x);
+      if (nor[xu] != a_node && c[ou][xu] > 0) s3[static_cast<std::size_t>(relay_on(o, nor[xu]))][xu] += c[ou][xu];
+    }
+  }
+  std::vector<ByteLedger> out(Nu, blank(Algorithm::hierarchical_dedup, in));
+  for (int me = 0; me < N; ++me) {
+    auto const mu = static_cast<std::size_t>(me);
+    auto& l = out[mu];
+    int const node = nor[mu];
+    auto const& group = layout.node_groups[static_cast<std::size_t>(node)];
+    std::string const node_name = "kmoe-node" + std::to_string(node);
+    int rail = -1;
+    for (int j = 0; j < layout.relays_per_node; ++j)
+      if (layout.relays[static_cast<std::size_t>(node)][static_cast<std::size_t>(j)] == me) rail = j;
+    auto row_of = [&](Matrix const& m, std::vector<int> const& order) { return in_order(m[mu], order); };
+    auto column = [&](Matrix const& m, std::vector<int> const& order) {
+      std::vector<std::int64_t> v(order.size());
+      for (std::size_t p = 0; p < order.size(); ++p) v[p] = m[static_cast<std::size_t>(order[p])][mu];
+      return v;
+    };
+    std::vector<std::int64_t> direct(group.size(), 0), direct_back(group.size(), 0);
+    for (std::size_t x = 0; x < group.size(); ++x) {
+      direct[x] = c[mu][static_cast<std::size_t>(group[x])];
+      direct_back[x] = c[static_cast<std::size_t>(group[x])][mu];
+    }
+    StageLedger d1{"gather to relay + node-local direct", node_name};
+    d1.self_in_place = true;
+    add_sends(d1, direct, group, me, nor, l.row_bytes, meta);
+    auto const u1_routes = row_of(u1r, group);
+    add_sends(d1, row_of(u1, group), group, me, nor, l.row_bytes, unit_bytes, nullptr, nullptr, &u1_routes);
+    std::int64_t my_units = 0;
+    for (auto x : u1[mu]) my_units += x;
+    if (relay_on(me, node) != me) {
+      d1.relay_rows = my_units;
+      d1.relay_bytes = my_units * (l.row_bytes + unit_bytes);
+    }
+    StageLedger d2{"relay to relay", rail >= 0 ? "kmoe-relay" + std::to_string(rail) : std::string("-")};
+    StageLedger c2{"relay to relay (reverse)", d2.communicator};
+    if (rail >= 0) {
+      auto const& rg = layout.relay_groups[static_cast<std::size_t>(rail)];
+      auto const routes2 = row_of(s2r, rg);
+      add_sends(d2, row_of(s2, rg), rg, me, nor, l.row_bytes, unit_bytes, nullptr, nullptr, &routes2);
+      auto const back_routes = column(s2r, rg);
+      add_sends(c2, column(s2, rg), rg, me, nor, l.combine_row_bytes, 0, nullptr, nullptr, &back_routes);
+    }
+    StageLedger d3{"relay expand", node_name};
+    d3.self_in_place = true;
+    auto const rows3 = row_of(s3, group);
+    add_sends(d3, rows3, group, me, nor, l.row_bytes, meta);
+    for (std::size_t x = 0; x < group.size(); ++x)
+      if (group[x] != me) d3.relay_rows += rows3[x];
+    d3.relay_bytes = d3.relay_rows * (l.row_bytes + meta);
+    l.dispatch.stages = {d1, d2, d3};
+    for (int src = 0; src < N; ++src) l.dispatch.useful_rows += c[static_cast<std::size_t>(src)][mu];
+    StageLedger c3{"relay gather (reverse of relay expand)", node_name};
+    c3.self_in_place = true;
+    add_sends(c3, column(s3, group), group, me, nor, l.combine_row_bytes, 0);
+    c3.relay_rows = d3.relay_rows;
+    c3.relay_bytes = c3.relay_rows * l.combine_row_bytes;
+    StageLedger c1{"return from relay + node-local direct", node_name};
+    c1.self_in_place = true;
+    add_sends(c1, direct_back, group, me, nor, l.combine_row_bytes, 0);
+    auto const back1_routes = column(u1r, group);
+    add_sends(c1, column(u1, group), group, me, nor, l.combine_row_bytes, 0, nullptr, nullptr, &back1_routes);
+    c1.relay_rows = d1.relay_rows;
+    c1.relay_bytes = c1.relay_rows * l.combine_row_bytes;
+    l.combine.stages = {c3, c2, c1};
+    l.combine.useful_rows = static_cast<std::int64_t>(flows[mu].dest.size());
+  }
+  return out;
+}
+
 std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in) {
   auto const routes = check_inputs(in);
   auto const& topo = in.topology;

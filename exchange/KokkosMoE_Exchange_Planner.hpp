@@ -51,6 +51,24 @@ std::vector<ByteLedger> plan_flat(PlanInput const& in);
 /// \brief Per-rank ledgers of the hierarchical exchange (relays and rails of the layout).
 std::vector<ByteLedger> plan_hierarchical(PlanInput const& in);
 
+/// \brief The unit record of node deduplication (hierarchical_dedup): int32
+/// fields [origin rank, routes n, then per route (physical slot,
+/// destination rank, route = token * top_k + k-slot, float32 gate)], top_k
+/// route entries (unused ones zero), so its width is fixed by top_k.
+struct UnitMeta {
+  static constexpr int header = 2;
+  static constexpr int per_route = 4;
+  static int ints(int top_k) { return header + per_route * top_k; }
+  static std::int64_t bytes(int top_k) { return static_cast<std::int64_t>(ints(top_k)) * 4; }
+  static char const* schema() {
+    return "int32 origin_rank, int32 routes, top_k x (int32 slot, int32 dest_rank, int32 route, float32 gate)";
+  }
+};
+
+/// \brief Per-rank ledgers of the node-deduplicating hierarchical exchange
+/// (one unit per token and remote node; relays and rails of the layout).
+std::vector<ByteLedger> plan_hierarchical_dedup(PlanInput const& in);
+
 /// \brief Per-rank ledgers of the pooled-wave exchange, drops included.
 std::vector<ByteLedger> plan_pooled_wave(PlanInput const& in);
 

@@ -10,6 +10,9 @@
 
 #include <KokkosMoE_Exchange.hpp>
 
+#include <numeric>
+#include <random>
+
 namespace kmoe_test {
 
 struct StepResult {
@@ -79,6 +82,51 @@ inline std::pair<KokkosMoE::RoutePlan<MS>, KokkosMoE::DispatchPlan<MS>> plans_of
   return {rp, plan};
 }
 
+/// Virtual nodes of rpn consecutive ranks over the world.
+inline KokkosMoE::Topology::Topology nodes_of(int rpn) {
+  KokkosMoE::Topology::LayoutSpec s;
+  s.kind = KokkosMoE::Topology::LayoutKind::virtual_nodes;
+  s.ranks_per_node = rpn;
+  return KokkosMoE::Topology::Topology::discover(MPI_COMM_WORLD, s);
+}
+
+/// The node of every rank.
+inline std::vector<int> nodes_vector(KokkosMoE::Topology::Topology const& t) {
+  std::vector<int> n;
+  for (int r = 0; r < t.size(); ++r) n.push_back(t.node_of(r));
+  return n;
+}
+
+/// Random routings: uniform, every route to rank 0, odd ranks without
+/// tokens, one hot expert (every token's first route).
+enum class Dist { uniform, one_rank, empty_ranks, hot_expert };
+
+inline HostRoutes random_routes(Dist dist, int rank, int size, int experts, int k, std::mt19937& rng, int& tokens_out) {
+  int tokens = 5 + static_cast<int>(rng() % 12);
+  if (dist == Dist::empty_ranks && rank % 2 == 1) tokens = 0;
+  HostRoutes h;
+  h.tokens = tokens;
+  h.k = k;
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  int const target_rank_expert = 0;  // expert 0 lives on rank 0
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<int> ids(static_cast<std::size_t>(experts));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    for (int j = 0; j < k; ++j) {
+      int e = ids[static_cast<std::size_t>(j)];
+      if (dist == Dist::one_rank) e = (target_rank_expert + j * size) % experts;  // all on rank 0
+      if (dist == Dist::hot_expert && j == 0) e = 1;
+      if (dist == Dist::hot_expert && j > 0 && e == 1) e = ids[static_cast<std::size_t>(k)];
+      h.expert.push_back(e);
+      h.gate.push_back(u(rng));
+      h.accepted.push_back(1);
+    }
+  }
+  tokens_out = tokens;
+  return h;
+}
+
 /// One step through an exchange (any algorithm of the contract) built on
 /// `placement`. bases[r] is the global route id of rank r's first route.
 template <class ExchangeT>
@@ -93,10 +141,12 @@ StepResult run_step(ExchangeT& xchg, KokkosMoE::Placement const& placement, Host
   // for dropped routes): stale bytes would show as NaNs in the output.
   Kokkos::deep_copy(returned.bytes, static_cast<unsigned char>(0xFF));
   StepResult r;
+  RoutePlan<MS> combine_routes = rp;  // a deduplicating exchange's partial sums are read through its handle
   for (int w = 0; w < xchg.waves(); ++w) {
     auto h = xchg.dispatch(exec, rp, plan, hidden, w);
     auto y = scalar_expert_rows(h.expert_rows, h.expert_offsets_d, placement, rank, scale);
     xchg.combine(exec, h, y, returned);
+    combine_routes = Exchange::combine_routes(rp, h);
     r.ledger.append(h.ledger);
     if (r.slot_counts.empty()) r.slot_counts.assign(h.expert_counts.size(), 0);
     for (std::size_t q = 0; q < h.expert_counts.size(); ++q) r.slot_counts[q] += h.expert_counts[q];
@@ -109,7 +159,7 @@ StepResult run_step(ExchangeT& xchg, KokkosMoE::Placement const& placement, Host
     }
   }
   r.out = RowMatrix<float, MS>("test::out", routes.tokens, hidden.extent(1));
-  combine(exec, rp, plan, returned, r.out);
+  combine(exec, combine_routes, plan, returned, r.out);
   r.send_counts = plan.counts;
   return r;
 }

@@ -29,13 +29,6 @@ Topology::Topology virtual_topology(std::vector<std::vector<int>> nodes) {
   return Topology::Topology::discover(MPI_COMM_WORLD, s);
 }
 
-Topology::Topology nodes_of(int rpn) {
-  Topology::LayoutSpec s;
-  s.kind = Topology::LayoutKind::virtual_nodes;
-  s.ranks_per_node = rpn;
-  return Topology::Topology::discover(MPI_COMM_WORLD, s);
-}
-
 /// The world as one node, and its communicators.
 Topology::CommunicatorSet one_node_comms() { return Topology::CommunicatorSet(MPI_COMM_WORLD, nodes_of(1), Topology::CommSpec{}); }
 
@@ -50,11 +43,6 @@ std::pair<rows_view, rows_view> marked_rows(index_t rows, int bytes, int my_slot
   return {send, recv};
 }
 
-std::vector<int> nodes_vector(Topology::Topology const& t) {
-  std::vector<int> n;
-  for (int r = 0; r < t.size(); ++r) n.push_back(t.node_of(r));
-  return n;
-}
 
 /// dispatch_v17 inputs for this rank.
 struct V17Rank {
@@ -165,34 +153,6 @@ TEST_CASE("dispatch_v17 over MPI: flat and hierarchical (1 relay, 2 rails)", "[e
 }
 
 namespace {
-
-enum class Dist { uniform, one_rank, empty_ranks, hot_expert };
-
-HostRoutes random_routes(Dist dist, int rank, int size, int experts, int k, std::mt19937& rng, int& tokens_out) {
-  int tokens = 5 + static_cast<int>(rng() % 12);
-  if (dist == Dist::empty_ranks && rank % 2 == 1) tokens = 0;
-  HostRoutes h;
-  h.tokens = tokens;
-  h.k = k;
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  int const target_rank_expert = 0;  // expert 0 lives on rank 0
-  for (int t = 0; t < tokens; ++t) {
-    std::vector<int> ids(static_cast<std::size_t>(experts));
-    std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), rng);
-    for (int j = 0; j < k; ++j) {
-      int e = ids[static_cast<std::size_t>(j)];
-      if (dist == Dist::one_rank) e = (target_rank_expert + j * size) % experts;  // all on rank 0
-      if (dist == Dist::hot_expert && j == 0) e = 1;
-      if (dist == Dist::hot_expert && j > 0 && e == 1) e = ids[static_cast<std::size_t>(k)];
-      h.expert.push_back(e);
-      h.gate.push_back(u(rng));
-      h.accepted.push_back(1);
-    }
-  }
-  tokens_out = tokens;
-  return h;
-}
 
 }  // namespace
 

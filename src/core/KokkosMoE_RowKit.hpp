@@ -199,6 +199,11 @@ KOKKOS_INLINE_FUNCTION void copy_row(Member const& team, TypedRows<T, MS> const&
 }
 
 template <class Member, class MS>
+KOKKOS_INLINE_FUNCTION void copy_row(Member const& team, PayloadRows<MS> const& src, index_t s, PartRows<MS> const& dst, index_t q) {
+  copy_row(team, src, s, dst.part(row_part(q)), part_local_row(q));
+}
+
+template <class Member, class MS>
 KOKKOS_INLINE_FUNCTION void zero_row(Member const& team, PayloadRows<MS> const& dst, index_t q) {
   unsigned char* out = &dst.bytes(q, 0);
   Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, static_cast<int>(dst.row_bytes)), [&](int b) { out[b] = 0; });
@@ -239,6 +244,13 @@ void check_pair(PartRows<MS> const& s, Dst const& d, char const* label) {
 }
 template <class T, class MS>
 void check_pair(TypedRows<T, MS> const& s, PartRows<MS> const& d, char const* label) {
+  check_pair(s, d.part0, label);
+  check_pair(s, d.part1, label);
+  check_pair(s, d.part2, label);
+  check_pair(s, d.part3, label);
+}
+template <class MS>
+void check_pair(PayloadRows<MS> const& s, PartRows<MS> const& d, char const* label) {
   check_pair(s, d.part0, label);
   check_pair(s, d.part1, label);
   check_pair(s, d.part2, label);

@@ -253,7 +253,10 @@ class MoELayer {
   /// pooled-wave's waves are all dispatched and their rows merged into the
   /// flat exchange's order for one expert backward (its drops carry no
   /// gradient), so that without drops every algorithm gives the flat
-  /// exchange's bits. The serial schedule's single chunk.
+  /// exchange's bits. The serial schedule's single chunk. A layer whose
+  /// exchange is hierarchical_dedup runs its backward over the
+  /// hierarchical exchange (one row per route: the gate gradients need
+  /// every route's output).
   BackwardRecord backward(ExecutionSpace const& exec, RowMatrix<T, MemorySpace> const& hidden, RowMatrix<T, MemorySpace> const& dOut,
                           RowMatrix<T, MemorySpace> const& dX, LayerGradients<MemorySpace>& grads,
                           LayerBackwardOptions const& options = {}) {
@@ -261,7 +264,12 @@ class MoELayer {
     Kokkos::Timer total;
     int const d = config_.hidden, E = config_.router.num_experts;
     index_t const n = static_cast<index_t>(hidden.extent(0));
-    auto& x = exchange(config_.exchange.algorithm);
+    // The backward moves one row per route: a deduplicating exchange's
+    // per-route counterpart recomputes the forward's per-route outputs.
+    Exchange::Algorithm const per_route_algorithm = config_.exchange.algorithm == Exchange::Algorithm::hierarchical_dedup
+                                                        ? Exchange::Algorithm::hierarchical
+                                                        : config_.exchange.algorithm;
+    auto& x = exchange(per_route_algorithm);
     MPI_Comm ep = comms_->ep().comm();
     double const watchdog = config_.exchange.watchdog_seconds;
     auto logits = router_.logits();
@@ -372,7 +380,7 @@ class MoELayer {
             ri(a, 0) = a;
           });
     }
-    exchange_type& xr = gradient_exchange(config_.exchange.algorithm);
+    exchange_type& xr = gradient_exchange(per_route_algorithm);
     auto returned_grad = payload_buffer(work_, exec, "bwd_returned_grad", config_.exchange.return_payload, d, plan.rows());
     // Every wave's gradient rows dispatched (in the forward's layout: same
     // slots, offsets and arrival order), merged like the forward's rows; one
@@ -595,6 +603,9 @@ class MoELayer {
     Kokkos::View<int**, Kokkos::LayoutRight, MemorySpace> explicit_slot;
     Plans plans;
     PayloadBuffer<MemorySpace> returned;
+    /// How the combine reads `returned` (the routes, or a deduplicating
+    /// exchange's partial sums: Exchange::combine_routes).
+    RoutePlan<MemorySpace> combine_routes;
   };
 
   /// \brief One dispatch -> expert -> combine of a chunk and wave.
@@ -674,6 +685,8 @@ class MoELayer {
           x.combine_finish(exec, q->handle);
           rec.seconds["combine_exchange"] += q->handle.seconds;
           rec.ledger.append(q->handle.ledger);
+          Chunk& c = chunks[static_cast<std::size_t>(q->chunk)];
+          c.combine_routes = Exchange::combine_routes(c.plans.routes, q->handle);
           q->combined = true;
           q->handle = {};  // its buffers go back to the exchange's workspace
         };
@@ -689,7 +702,7 @@ class MoELayer {
             KOKKOSMOE_REQUIRE(q.combined, "MoE layer reduce: the combine of part " << part_name(q.chunk, q.wave, W) << " has not finished");
           {
             Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "combine");
-            for (auto const& c : chunks) combine(exec, c.plans.routes, c.plans.dispatch, c.returned, c.out);
+            for (auto const& c : chunks) combine(exec, c.combine_routes, c.plans.dispatch, c.returned, c.out);
           }
           if (has_shared) {
             Impl::StageTimer<ExecutionSpace> t(exec, rec.seconds, "shared_experts");
