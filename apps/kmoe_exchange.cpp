@@ -126,7 +126,7 @@ double direction_seconds(Exchange::DirectionLedger const& d) {
 /// predictions, the model's seconds per direction.
 std::string side_by_side(std::vector<AlgoResult> const& cols, std::string const& time_label) {
   std::ostringstream os;
-  int const w = 18;
+  int const w = 20;
   os << std::left << std::setw(40) << "";
   for (auto const& c : cols) os << std::right << std::setw(w) << c.name;
   os << "\n";
@@ -147,6 +147,10 @@ std::string side_by_side(std::vector<AlgoResult> const& cols, std::string const&
       row(std::string(dir) + " " + n + " payload B", [&](auto const& c) { return std::to_string(get(c.ledger).by_class(cls).payload_bytes); });
       row(std::string(dir) + " " + n + " meta B", [&](auto const& c) { return std::to_string(get(c.ledger).by_class(cls).meta_bytes); });
       row(std::string(dir) + " " + n + " messages", [&](auto const& c) { return std::to_string(get(c.ledger).by_class(cls).messages); });
+      row(std::string(dir) + " " + n + " pairs", [&](auto const& c) { return std::to_string(get(c.ledger).by_class(cls).pairs); });
+      if (cls != LinkClass::same_rank)
+        row(std::string(dir) + " " + n + " dedup saved rows",
+            [&](auto const& c) { return std::to_string(get(c.ledger).by_class(cls).dedup_saved_rows); });
     }
     row(std::string(dir) + " relay rows", [&](auto const& c) { return std::to_string(get(c.ledger).relay_rows()); });
     row(std::string(dir) + " relay bytes", [&](auto const& c) { return std::to_string(get(c.ledger).relay_bytes()); });
@@ -266,6 +270,7 @@ Outcome simulate_cluster(LayerDeck const& d, std::optional<Exchange::CostModel> 
         Topology::make_comm_layout(topo, s2));
     Exchange::check_inter_node_equal(out.algos.front().ledger, out.algos.back().ledger);
   }
+  add("hierarchical_dedup", Exchange::Algorithm::hierarchical_dedup, layout);
   add("pooled_wave", Exchange::Algorithm::pooled_wave, layout);
   return out;
 }
@@ -277,10 +282,10 @@ void print_simulation(LayerDeck const& d, Outcome const& o, std::optional<Exchan
             << payload_row_bytes(d.model.payload, d.model.hidden) << " B (planned ledgers; "
             << (model ? "times from the cost model: " + model->origin : std::string("no time without a cost model")) << ")\n\n"
             << side_by_side(o.algos, "") << "\nmaxima (dispatch)                       ";
-  for (auto const& a : o.algos) std::cout << std::setw(18) << a.name;
+  for (auto const& a : o.algos) std::cout << std::setw(20) << a.name;
   auto line = [&](char const* label, auto&& f) {
     std::cout << "\n" << std::left << std::setw(40) << label << std::right;
-    for (auto const& m : o.maxima) std::cout << std::setw(18) << f(m);
+    for (auto const& m : o.maxima) std::cout << std::setw(20) << f(m);
   };
   line("node inter-node payload B", [](auto const& m) { return m.node_inter_bytes; });
   line("node inter-node messages", [](auto const& m) { return m.node_inter_messages; });
@@ -312,6 +317,7 @@ void print_simulation(LayerDeck const& d, Outcome const& o, std::optional<Exchan
     << " flat_inter_node_bytes=" << o.algos.front().ledger.dispatch.inter_node_payload_bytes()
     << " flat_inter_node_messages=" << o.algos.front().ledger.dispatch.by_class(Exchange::LinkClass::inter_node).messages
     << " hier_inter_node_messages=" << o.algos[1].ledger.dispatch.by_class(Exchange::LinkClass::inter_node).messages
+    << " dedup_inter_node_bytes=" << o.algos[o.algos.size() - 2].ledger.dispatch.inter_node_payload_bytes()
     << " pooled_drops=" << o.algos.back().ledger.dispatch.sender_drops + o.algos.back().ledger.dispatch.receiver_drops;
   if (model)
     for (auto const& a : o.algos)
@@ -636,7 +642,7 @@ int main(int argc, char* argv[]) {
   return kmoe_app::run(argc, argv, "kmoe-exchange", [&](int rank) {
     CLI::App app{"kmoe-exchange: exchange ledgers of a topology and routing from a TOML deck"};
     app.add_option("deck", opt.deck, "TOML input deck (see inputs/README.md)")->required();
-    app.add_option("--algorithms", opt.algorithms, "algorithms to run (default: all three)")
+    app.add_option("--algorithms", opt.algorithms, "algorithms to run (default: all four)")
         ->delimiter(',')
         ->check(CLI::IsMember(enum_names<Exchange::Algorithm>()));
     app.add_flag("--simulate", opt.simulate, "plan a cluster of [simulate] ranks in this process (no data moves; times only from a cost model)");

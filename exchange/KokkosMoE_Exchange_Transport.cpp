@@ -238,7 +238,7 @@ void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending,
       pending.clear();
       auto list = [&](std::set<int> const& slots) {
         std::ostringstream os;
-        for (int p : slots) os << (os.tellp() > 0 ? ", " : "") << "slot " << p << " (rank " << comm.global_rank(p) << ")";
+        for (int p : slots) os << (os.tellp() > 0 ? ", " : "") << "slot " << p << " (rank " << comm.global_rank(p) << ")" << rank_place(comm.comm(), p);
         return os.str();
       };
       int world = -1;

@@ -305,7 +305,7 @@ TEST_CASE("option names: one table per enum, round trips, clear errors", "[core]
   CHECK(to_string(Topology::LayoutKind::virtual_nodes) == "virtual");
   CHECK(to_string(PlacementPolicy::explicit_slots) == "explicit");
   CHECK(to_string(GemmPath::automatic) == "auto");
-  CHECK(enum_names<Exchange::Algorithm>() == std::vector<std::string>{"flat", "hierarchical", "pooled_wave"});
+  CHECK(enum_names<Exchange::Algorithm>() == std::vector<std::string>{"flat", "hierarchical", "pooled_wave", "hierarchical_dedup"});
   CHECK_THROWS_WITH(from_string<Exchange::TransportKind>("ucx"),
                     Catch::Matchers::StartsWith("KokkosMoE error: unknown exchange transport 'ucx' (expected 'mpi' or 'nccl')"));
   CHECK(quoted_alternatives({"a", "b", "c"}) == "'a', 'b' or 'c'");

@@ -487,6 +487,12 @@ Topology Topology::discover(MPI_Comm comm, LayoutSpec const& spec) {
     }
     result = from_records(spec.kind, std::move(records), std::move(hw));
   });
+  if (comm == MPI_COMM_WORLD) {
+    // Where every rank runs, for the watchdogs' messages.
+    std::vector<std::string> places;
+    for (auto const& r : result.ranks()) places.push_back("host " + r.host + ", node " + std::to_string(r.node));
+    set_rank_places(std::move(places));
+  }
   return result;
 }
 

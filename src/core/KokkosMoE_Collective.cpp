@@ -190,6 +190,35 @@ std::vector<int> missing_ranks(MPI_Comm comm, double grace_seconds) {
   return missing;
 }
 
+namespace {
+std::mutex places_mutex;
+std::vector<std::string>& places() {
+  static std::vector<std::string> p;
+  return p;
+}
+}  // namespace
+
+void set_rank_places(std::vector<std::string> p) {
+  std::lock_guard<std::mutex> lock(places_mutex);
+  places() = std::move(p);
+}
+
+std::string rank_place(MPI_Comm comm, int rank) {
+  int world = rank;
+  if (comm != MPI_COMM_WORLD && comm != MPI_COMM_NULL) {
+    MPI_Group group, world_group;
+    if (MPI_Comm_group(comm, &group) != MPI_SUCCESS) return {};
+    MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+    MPI_Group_translate_ranks(group, 1, &rank, world_group, &world);
+    MPI_Group_free(&group);
+    MPI_Group_free(&world_group);
+  }
+  std::lock_guard<std::mutex> lock(places_mutex);
+  auto const& p = places();
+  if (world < 0 || world >= static_cast<int>(p.size()) || p[static_cast<std::size_t>(world)].empty()) return {};
+  return " on " + p[static_cast<std::size_t>(world)];
+}
+
 void wait_watched(MPI_Request& request, MPI_Comm comm, char const* what, double watchdog_seconds) {
   Watchdog dog(watchdog_seconds);
   while (true) {
@@ -212,7 +241,8 @@ void wait_watched(MPI_Request& request, MPI_Comm comm, char const* what, double 
       MPI_Group_free(&world_group);
       std::ostringstream who;
       for (std::size_t i = 0; i < missing.size() && i < 32; ++i)
-        who << (i ? ", " : "") << missing[i] << (world_ranks[i] != missing[i] ? " (world rank " + std::to_string(world_ranks[i]) + ")" : "");
+        who << (i ? ", " : "") << missing[i] << (world_ranks[i] != missing[i] ? " (world rank " + std::to_string(world_ranks[i]) + ")" : "")
+            << rank_place(comm, missing[i]);
       if (missing.size() > 32) who << ", ... (" << missing.size() << " ranks)";
       KOKKOSMOE_THROW_WATCHDOG(what << ": rank " << world << " (rank " << comm_rank(comm) << " of " << comm_name(comm) << ") waited "
                            << dog.waited() << " s for all " << comm_size(comm) << " ranks of " << comm_name(comm) << "; "

@@ -97,6 +97,16 @@ void wait_watched(MPI_Request& request, MPI_Comm comm, char const* what, double 
 /// name the ranks that are missing (stopped, killed, or stuck elsewhere).
 std::vector<int> missing_ranks(MPI_Comm comm, double grace_seconds);
 
+/// \brief Records where every rank of MPI_COMM_WORLD runs ("host kmoe-h1,
+/// node 1"), index = world rank, so that watchdog messages name the host
+/// and node of a peer that does not answer (a stopped process, a link
+/// down). Topology::discover records it; empty entries are unknown.
+void set_rank_places(std::vector<std::string> places);
+
+/// \brief " on <place>" for rank `rank` of comm, where its place is known
+/// (see set_rank_places), else "".
+std::string rank_place(MPI_Comm comm, int rank);
+
 /// \brief MPI_Allreduce of count values under the watchdog (see wait_watched).
 void allreduce_watched(void const* in, void* out, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm, char const* what,
                        double watchdog_seconds);

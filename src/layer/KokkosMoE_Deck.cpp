@@ -385,6 +385,15 @@ void parse_exchange(Reader& r, LayerDeck& d) {
   d.exchange.stage_through_host = r.boolean("exchange.stage_through_host", false);
   d.exchange.pair_runs = r.boolean("exchange.pair_runs", false);
   d.exchange.receive_into_experts = r.boolean("exchange.receive_into_experts", true);
+  d.exchange.node_dedup = r.boolean("exchange.node_dedup", false);
+  if (d.exchange.node_dedup) {
+    // The deduplicating variant of the hierarchical exchange, wherever the deck names it.
+    auto dedup = [](Exchange::Algorithm& a) {
+      if (a == Exchange::Algorithm::hierarchical) a = Exchange::Algorithm::hierarchical_dedup;
+    };
+    dedup(d.exchange.algorithm);
+    for (auto& a : d.run.compare) dedup(a);
+  }
   d.exchange.waves = static_cast<int>(r.integer("exchange.waves", 1, 1, 1024));
   d.exchange.sender_cf = r.real("exchange.sender_cf", 1.25, 0.0, huge, true);
   d.exchange.receiver_cf = r.real("exchange.receiver_cf", 1.5, 0.0, huge, true);
@@ -539,6 +548,7 @@ std::string LayerDeck::resolved() const {
      << "\nstage_through_host = " << (exchange.stage_through_host ? "true" : "false")
      << "\npair_runs = " << (exchange.pair_runs ? "true" : "false")
      << "\nreceive_into_experts = " << (exchange.receive_into_experts ? "true" : "false")
+     << "\nnode_dedup = " << (exchange.node_dedup ? "true" : "false")
      << "\nwaves = " << exchange.waves << "\nsender_cf = " << exchange.sender_cf << "\nreceiver_cf = " << exchange.receiver_cf << "\n";
   os << "\n[experts]\nrunner = " << quoted(to_string(experts.runner)) << "\ncapacity = " << experts.capacity << "\nalignment = " << experts.alignment
      << "\nblock_size = " << experts.block_size << "\ngemm = " << quoted(to_string(experts.gemm))

@@ -148,6 +148,9 @@ struct LayerDeck {
     bool stage_through_host = false;  ///< MPI: rows through host copies even where MPI reads the buffers
     bool pair_runs = false;           ///< MPI: sends and receives paired as NCCL pairs them
     bool receive_into_experts = true;  ///< flat: rows straight to and from their expert-major places
+    /// The hierarchical exchange deduplicates per node: "hierarchical" in
+    /// exchange.algorithm and run.compare means hierarchical_dedup.
+    bool node_dedup = false;
     int waves = 1;
     double sender_cf = 1.25;
     double receiver_cf = 1.5;
