@@ -199,7 +199,8 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     auto h = this->template new_handle<T>(routes, plan, wave);
     PayloadBuffer<MemorySpace> send;
     Kokkos::View<RowMeta*, MemorySpace> meta;
-    std::string const problem = this->pack_local(exec, h, routes, plan, hidden, waves(), true, send, meta);
+    // The own rows are not packed: they go straight into their expert rows.
+    std::string const problem = this->pack_local(exec, h, routes, plan, hidden, waves(), true, send, meta, /*skip_own=*/true);
     int const L = this->placement_.num_slots_of_rank(this->me_);
     auto const agreed = agree_counts_and_every_run(ep, plan.counts, plan.rows(), plan.slot_runs, this->max_slots_per_rank(), L,
                                                    "flat dispatch counts", this->options(), problem);
@@ -207,7 +208,11 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     Direct direct = this->direct_layout(exec, h, agreed.recv_run_lengths, d);
     index_t const n = Impl::total(agreed.recv);
     h.arrived_meta = this->work_.template vector<RowMeta>(exec, "arrived_meta", n);
-    RowSet<MemorySpace> rows{send.bytes, this->row_bytes_of(h.expert_rows), plan.slot_runs, direct.expert_runs};
+    int const me = ep.my_slot();
+    this->pack_straight(exec, routes, plan, hidden, plan.slot_runs[static_cast<std::size_t>(me)],
+                        direct.expert_runs[static_cast<std::size_t>(me)], this->row_bytes_of(h.expert_rows),
+                        "KokkosMoE::FlatExchange::pack_own");
+    RowSet<MemorySpace> rows{send.bytes, this->row_bytes_of(h.expert_rows), plan.slot_runs, direct.expert_runs, /*self_in_place=*/true};
     rows.owners = h.expert_rows;
     // Metadata in arrival order (by source, then send position): one
     // message per peer.
@@ -215,6 +220,7 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
                                                  "flat dispatch rows", this->options());
     h.ledger = this->new_ledger(d);
     StageLedger stage{"all-to-all", ep.name()};
+    stage.self_in_place = true;  // the own rows were packed straight into their expert rows
     auto const runs = runs_per_peer(plan.slot_runs);
     std::vector<std::int64_t> const one(static_cast<std::size_t>(P), 1);
     add_sends(stage, plan.counts, ep.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta), &runs, &one);

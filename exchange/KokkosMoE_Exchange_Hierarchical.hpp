@@ -951,7 +951,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     f.r1 = payload_buffer(this->work_, exec, "s1_recv", this->config_.payload, d, n1);
     f.r1_meta = this->work_.template vector<RowMeta>(exec, "s1_recv_meta", n1);
     f.d1_meta = this->work_.template vector<RowMeta>(exec, "d1_recv_meta", Impl::total(st.d1_recv));
-    pack_straight(exec, routes, plan, hidden, st.d1_send_runs[static_cast<std::size_t>(node.my_slot())],
+    this->pack_straight(exec, routes, plan, hidden, st.d1_send_runs[static_cast<std::size_t>(node.my_slot())],
                   st.d1_recv_runs[static_cast<std::size_t>(node.my_slot())], this->row_bytes_of(h.expert_rows),
                   "KokkosMoE::HierarchicalExchange::pack_own");
     if (own_relay) {
@@ -963,7 +963,7 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
         places.push_back({at, n});
         at += n;
       }
-      pack_straight(exec, routes, plan, hidden, runs, places, f.r1.bytes, "KokkosMoE::HierarchicalExchange::pack_transit");
+      this->pack_straight(exec, routes, plan, hidden, runs, places, f.r1.bytes, "KokkosMoE::HierarchicalExchange::pack_transit");
     }
     RowSet<MS> rows{send.bytes, this->row_bytes_of(h.expert_rows), st.d1_send_runs, st.d1_recv_runs, /*self_in_place=*/true};
     rows.owners = h.expert_rows;
@@ -1151,55 +1151,6 @@ class HierarchicalExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpa
     }
     sl.seconds = lap();
     ledger.dispatch.stages.push_back(sl);
-  }
-
-  /// Rows of plan positions runs[i] packed from hidden straight into rows
-  /// places[i] of dst (runs and places pairwise of one length), in one pass.
-  template <class T>
-  void pack_straight(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan, RowMatrix<T, MS> const& hidden,
-                     std::vector<std::pair<index_t, index_t>> const& runs, std::vector<std::pair<index_t, index_t>> const& places,
-                     typename RowSet<MS>::rows_view const& dst, char const* label) {
-    // Non-empty pieces by place: first place row, then first plan position.
-    std::vector<index_t> at, from;
-    for (std::size_t i = 0; i < runs.size(); ++i)
-      if (runs[i].second > 0) {
-        at.push_back(places[i].first);
-        from.push_back(runs[i].first);
-        at.push_back(places[i].first + runs[i].second);
-        from.push_back(-1);
-      }
-    if (at.empty()) return;
-    // Places of one rank's pieces ascend except across slots; sort the
-    // boundaries so a binary search finds each row's piece.
-    std::vector<std::size_t> order(at.size());
-    std::iota(order.begin(), order.end(), std::size_t(0));
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-      return at[a] < at[b] || (at[a] == at[b] && from[a] < 0 && from[b] >= 0);
-    });
-    std::vector<index_t> a2, f2;
-    for (auto i : order) {
-      a2.push_back(at[i]);
-      f2.push_back(from[i]);
-    }
-    auto piece_at = scratch_copy(&this->work_, exec, "KokkosMoE::HierarchicalExchange::piece_at", a2);
-    auto piece_from = scratch_copy(&this->work_, exec, "KokkosMoE::HierarchicalExchange::piece_from", f2);
-    int const K = static_cast<int>(a2.size());
-    index_t const lo = a2.front(), hi = a2.back();
-    auto perm = plan.perm;
-    auto token = routes.token;
-    PayloadBuffer<MS> rows;
-    rows.type = this->config_.payload;
-    rows.width = static_cast<int>(hidden.extent(1));
-    rows.bytes = Kokkos::subview(dst, std::pair<index_t, index_t>(lo, hi), Kokkos::ALL);
-    gather_rows(
-        exec, hidden,
-        KOKKOS_LAMBDA(index_t q)->index_t {
-          index_t const x = q + lo;
-          int const k = Impl::segment_of(piece_at, K, x);
-          index_t const f = piece_from(k);
-          return f < 0 ? index_t(-1) : index_t(token(perm(f + (x - piece_at(k)))));
-        },
-        rows, label);
   }
 
   /// \brief The rest of a direct dispatch, stage 2 arrived: stage 3 sends

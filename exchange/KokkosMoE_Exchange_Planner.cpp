@@ -130,6 +130,7 @@ std::vector<ByteLedger> plan_flat(PlanInput const& in) {
       recv_runs[static_cast<std::size_t>(s)] = runs[static_cast<std::size_t>(s)][static_cast<std::size_t>(me)];
     }
     StageLedger d{"all-to-all", ep};
+    d.self_in_place = receives_into_experts(in);  // FlatExchange packs the own rows straight into their expert rows
     auto const send_runs = in_order(runs[static_cast<std::size_t>(me)], layout.ep_order);
     std::vector<std::int64_t> const one(static_cast<std::size_t>(N), 1);  // metadata: one message per peer
     add_sends(d, in_order(c[static_cast<std::size_t>(me)], layout.ep_order), layout.ep_order, me, nor, l.row_bytes, l.meta_row_bytes,

@@ -16,7 +16,9 @@
 #include <KokkosMoE_Topology_Communicators.hpp>
 #include <KokkosMoE_Workspace.hpp>
 
+#include <algorithm>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -127,6 +129,55 @@ class ExchangeBase {
   ExchangeConfig const& config() const { return config_; }
   TransportKind transport() const { return transport_->kind(); }
   TransportOptions options() const { return config_.transport_options(); }
+
+  /// Rows of plan positions runs[i] packed from hidden straight into rows
+  /// places[i] of dst (runs and places pairwise of one length), in one pass.
+  template <class T>
+  void pack_straight(Exec const& exec, RoutePlan<MemorySpace> const& routes, DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden,
+                     std::vector<std::pair<index_t, index_t>> const& runs, std::vector<std::pair<index_t, index_t>> const& places,
+                     typename RowSet<MemorySpace>::rows_view const& dst, char const* label) {
+    // Non-empty pieces by place: first place row, then first plan position.
+    std::vector<index_t> at, from;
+    for (std::size_t i = 0; i < runs.size(); ++i)
+      if (runs[i].second > 0) {
+        at.push_back(places[i].first);
+        from.push_back(runs[i].first);
+        at.push_back(places[i].first + runs[i].second);
+        from.push_back(-1);
+      }
+    if (at.empty()) return;
+    // Places of one rank's pieces ascend except across slots; sort the
+    // boundaries so a binary search finds each row's piece.
+    std::vector<std::size_t> order(at.size());
+    std::iota(order.begin(), order.end(), std::size_t(0));
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return at[a] < at[b] || (at[a] == at[b] && from[a] < 0 && from[b] >= 0);
+    });
+    std::vector<index_t> a2, f2;
+    for (auto i : order) {
+      a2.push_back(at[i]);
+      f2.push_back(from[i]);
+    }
+    auto piece_at = scratch_copy(&this->work_, exec, "KokkosMoE::Exchange::piece_at", a2);
+    auto piece_from = scratch_copy(&this->work_, exec, "KokkosMoE::Exchange::piece_from", f2);
+    int const K = static_cast<int>(a2.size());
+    index_t const lo = a2.front(), hi = a2.back();
+    auto perm = plan.perm;
+    auto token = routes.token;
+    PayloadBuffer<MemorySpace> rows;
+    rows.type = this->config_.payload;
+    rows.width = static_cast<int>(hidden.extent(1));
+    rows.bytes = Kokkos::subview(dst, std::pair<index_t, index_t>(lo, hi), Kokkos::ALL);
+    gather_rows(
+        exec, hidden,
+        KOKKOS_LAMBDA(index_t q)->index_t {
+          index_t const x = q + lo;
+          int const k = Impl::segment_of(piece_at, K, x);
+          index_t const f = piece_from(k);
+          return f < 0 ? index_t(-1) : index_t(token(perm(f + (x - piece_at(k)))));
+        },
+        rows, label);
+  }
 
   /// \brief Whether rows of type T go straight to and from the expert rows
   /// (ExchangeConfig::receive_into_experts, both payloads T's own
@@ -256,16 +307,19 @@ class ExchangeBase {
   /// \brief A dispatch's local work first (checks, rows and metadata packed
   /// in the plan's send order); the problem it returns rides on the count
   /// agreement (point to point under the watchdog), so a problem fails every
-  /// rank. slot_runs: the plan must have every peer's slot runs.
+  /// rank. slot_runs: the plan must have every peer's slot runs. skip_own:
+  /// the rank's own rows are not packed (the caller places them).
   template <class T>
   std::string pack_local(Exec const& exec, DispatchHandle<T, MemorySpace>& h, RoutePlan<MemorySpace> const& routes,
                          DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden, int waves, bool slot_runs,
-                         PayloadBuffer<MemorySpace>& send, Kokkos::View<RowMeta*, MemorySpace>& meta) {
+                         PayloadBuffer<MemorySpace>& send, Kokkos::View<RowMeta*, MemorySpace>& meta, bool skip_own = false) {
     return problem_of([&] {
       check_dispatch(h, hidden, waves, slot_runs);
       send = payload_buffer(work_, exec, "send", config_.payload, static_cast<int>(hidden.extent(1)), plan.rows());
       meta = work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
-      pack(exec, routes, plan, hidden, send, meta);
+      int const me = plan.my_peer_slot;
+      bool const skip = skip_own && me >= 0;
+      pack(exec, routes, plan, hidden, send, meta, skip ? plan.offsets[me] : 0, skip ? plan.counts[me] : 0);
     });
   }
 

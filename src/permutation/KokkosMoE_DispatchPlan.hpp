@@ -141,14 +141,17 @@ void pack_meta(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> c
 /// send must have plan.rows() rows of hidden's width; meta plan.rows() records.
 template <class Exec, class T, class MS>
 void pack(Exec const& exec, RoutePlan<MS> const& routes, DispatchPlan<MS> const& plan, RowMatrix<T, MS> const& hidden,
-          PayloadBuffer<MS> const& send, Kokkos::View<RowMeta*, MS> const& meta) {
+          PayloadBuffer<MS> const& send, Kokkos::View<RowMeta*, MS> const& meta, index_t skip_first = 0, index_t skip_rows = 0) {
   KOKKOSMOE_REQUIRE(send.rows() == plan.rows(), "pack: send buffer has " << send.rows() << " rows for " << plan.rows()
                                                                          << " dispatched routes");
   KOKKOSMOE_REQUIRE(static_cast<index_t>(hidden.extent(0)) == routes.num_tokens,
                     "pack: hidden has " << hidden.extent(0) << " rows for " << routes.num_tokens << " tokens");
   auto perm = plan.perm;
   auto token = routes.token;
-  gather_rows(exec, hidden, KOKKOS_LAMBDA(index_t p)->index_t { return token(perm(p)); }, send, "KokkosMoE::pack::rows");
+  index_t const skip_end = skip_first + skip_rows;  // rows the caller places itself (its own, say)
+  gather_rows(
+      exec, hidden, KOKKOS_LAMBDA(index_t p)->index_t { return p >= skip_first && p < skip_end ? index_t(-1) : index_t(token(perm(p))); },
+      send, "KokkosMoE::pack::rows");
   pack_meta(exec, routes, plan, meta);
 }
 
