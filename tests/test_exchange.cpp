@@ -113,6 +113,30 @@ void check_v17(X& xchg, V17Rank const& v, int rank) {
   if (X::algorithm == Algorithm::flat) {
     CHECK(total.dispatch.by_class(LinkClass::same_rank).rows == wl.at("same_rank_rows").get<std::int64_t>());
     CHECK(remote == wl.at("remote_payload_bytes_per_direction").get<std::int64_t>());
+    // Pairs: the directed rank pairs of the count matrix that carry rows,
+    // by class, in either direction; metadata and count messages make more
+    // messages than pairs, but no pairs.
+    auto const counts = ex.at("count_matrix_src_by_dst").get<std::vector<std::vector<index_t>>>();
+    auto const node = [](int r) { return r / 2; };
+    std::int64_t want[3] = {0, 0, 0};
+    for (int a = 0; a < 4; ++a)
+      for (int b = 0; b < 4; ++b)
+        if (counts[a][b] > 0) ++want[a == b ? 0 : node(a) == node(b) ? 1 : 2];
+    CHECK(want[2] == 3);  // (0,2), (1,2), (1,3)
+    for (auto const* d : {&total.dispatch, &total.combine}) {
+      CHECK(d->by_class(LinkClass::same_rank).pairs == want[0]);
+      CHECK(d->by_class(LinkClass::intra_node).pairs == want[1]);
+      CHECK(d->by_class(LinkClass::inter_node).pairs == want[2]);
+    }
+    CHECK(total.dispatch.by_class(LinkClass::inter_node).messages + total.combine.by_class(LinkClass::inter_node).messages >
+          total.dispatch.by_class(LinkClass::inter_node).pairs + total.combine.by_class(LinkClass::inter_node).pairs);
+  } else {
+    // Relay pairs carry the inter-node rows: node 0's relay to node 1's
+    // (one relay: 0 -> 2), or one pair per rail (0 -> 2 and 1 -> 3).
+    for (auto const* d : {&total.dispatch, &total.combine}) {
+      CHECK(d->by_class(LinkClass::inter_node).pairs >= 1);
+      CHECK(d->by_class(LinkClass::inter_node).pairs <= 2);
+    }
   }
   // Every route row crosses nodes exactly once in either algorithm: routes
   // 3, 4 and 6 (origin node != destination node), 6 bf16 bytes each.
