@@ -38,10 +38,11 @@ probe="kmoeprobe$$"
 ip netns add "$probe" >/dev/null 2>&1 || skip "cannot create a network namespace here ('ip netns add' failed)"
 ip netns del "$probe" >/dev/null 2>&1
 
+# Names and networks of their own, apart from a cluster of the default name.
 case "$case_name" in
-  outputs) export KMOE_NETNS_NAME=kto ;;
-  link_down) export KMOE_NETNS_NAME=ktl ;;
-  shaped) export KMOE_NETNS_NAME=kts ;;
+  outputs) export KMOE_NETNS_NAME=kto KMOE_NETNS_NET=200 ;;
+  link_down) export KMOE_NETNS_NAME=ktl KMOE_NETNS_NET=202 ;;
+  shaped) export KMOE_NETNS_NAME=kts KMOE_NETNS_NET=204 ;;
   *) fail "unknown case '$case_name' (outputs, link_down, shaped)" ;;
 esac
 name=$KMOE_NETNS_NAME
