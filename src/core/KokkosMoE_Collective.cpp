@@ -137,7 +137,14 @@ bool Watchdog::expired() {
       return true;
     }();
     (void)slack;
-    std::this_thread::sleep_for(std::chrono::microseconds(5));
+    // The longer a wait has lasted, the longer it sleeps between polls (a
+    // 64th of the wait so far, 5 to 250 us): a rank waiting on a network
+    // transfer of tenths of a second polls a few thousand times a second,
+    // not a hundred thousand (each poll a system call that takes the core
+    // the kernel moves the bytes with), and notices the end within 1/64 of
+    // its wait.
+    double const sleep_us = std::clamp((now - started_) * 1e6 / 64.0, 5.0, 250.0);
+    std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(sleep_us));
   } else if (++spins_ > 64) {
     std::this_thread::yield();  // oversubscribed ranks must let their peers run
     spins_ = 0;
