@@ -196,6 +196,7 @@ ByteLedger predict(CostModel const& model, Topology::Topology const& topo, Topol
   bool const counts = out.algorithm != "pooled_wave";  // static shapes agree on no counts
   // Pooled-wave waves are exchanges of their own: each packs what it sends.
   bool const every_stage_packs = out.algorithm == "pooled_wave";
+  bool const dedup = out.algorithm == "hierarchical_dedup";
   int const N = static_cast<int>(ledgers.size());
   for (int dir = 0; dir < 2; ++dir) {
     auto& stages = dir == 0 ? out.dispatch.stages : out.combine.stages;
@@ -245,6 +246,19 @@ ByteLedger predict(CostModel const& model, Topology::Topology const& topo, Topol
                    static_cast<double>(out.combine_row_bytes) * model.return_encode_s_per_byte;
         if (dir == 0 && s + 1 == stages.size() && !out.dispatch.rows_in_place)
           coded += static_cast<double>(dl.useful_rows) * static_cast<double>(out.row_bytes + out.meta_row_bytes) * model.decode_s_per_byte;
+        // A deduplicating exchange's relays copy rows besides the
+        // transport, in runs: the units they forward, ordered by destination
+        // node (dispatch stage 2), the units expanded into one row per route
+        // (dispatch stage 3), and the route results they sum into one
+        // partial per unit (combine stage 1, the rows stage 3 expanded).
+        if (dedup && stages.size() == 3) {
+          auto const& expand = ledgers[static_cast<std::size_t>(r)].dispatch.stages[2];
+          double expanded = 0;
+          for (auto const& cc : expand.by_class) expanded += static_cast<double>(cc.rows);
+          if (dir == 0 && s == 1) coded += sent * model.decode_s_per_byte;
+          if (dir == 0 && s == 2) coded += expanded * static_cast<double>(out.row_bytes) * model.decode_s_per_byte;
+          if (dir == 1 && s == 0) coded += expanded * static_cast<double>(out.combine_row_bytes) * model.decode_s_per_byte;
+        }
         copy_max = std::max(copy_max, coded);
       }
       double nic_max = 0;

@@ -14,7 +14,12 @@
 //   inter_node  rank pairs across nodes, all pairs at once, fabric off (the
 //               transport's own cost; on one host it moves like intra-node)
 //   nic         one pair across nodes alone, under the fabric (its NIC's
-//               exclusive time per message; only with a fabric)
+//               exclusive time per message; only with a fabric), or, nodes
+//               on real hosts (hwloc layout, host names differ), every
+//               rank of a host with its partner across the hosts' network,
+//               both ways at once (as an exchange loads the link), per byte
+//               of all their traffic; inter_node is then the same (a rank
+//               alone on the link sees the link)
 // plus the fixed cost of a stage's agreements. One BENCH line per link class:
 //   BENCH name=calibrate_<link> alpha_us=... beta_gbps=... ratio=<fitted time of a 1 MiB message / baseline>
 // where the baseline is a same-run memcpy of 1 MiB (same_rank, intra_node,
@@ -74,6 +79,30 @@ double pingpong(Topology::Communicator const& comm, int partner, std::size_t byt
       move(!first);
       move(first);
       if (i > 0) t.push_back(timer.seconds() / 2);
+    }
+    std::sort(t.begin(), t.end());
+  }
+  double mine = t.empty() ? 0.0 : t[t.size() / 2], slowest = 0;
+  allreduce_watched(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm.comm(), "calibrate", watchdog);
+  return slowest;
+}
+
+/// Seconds of `bytes` sent to `partner` while as many arrive from it (both
+/// directions at once, as an exchange loads a link), the median of reps, the
+/// slowest pair's; -1: this rank idles.
+double both_ways(Topology::Communicator const& comm, int partner, std::size_t bytes, int reps, TransportOptions const& o,
+                 double watchdog) {
+  std::vector<unsigned char> out(std::max<std::size_t>(bytes, 1), 1), in(out.size(), 0);
+  std::vector<double> t;
+  if (partner >= 0) {
+    int const peer = comm.slot_of(partner);
+    for (int i = 0; i < reps + 1; ++i) {
+      Kokkos::Timer timer;
+      std::vector<Exchange::Impl::Pending> p;
+      Exchange::Impl::post(comm, true, in.data(), static_cast<int>(bytes), MPI_BYTE, peer, 6991, p, o);
+      Exchange::Impl::post(comm, false, out.data(), static_cast<int>(bytes), MPI_BYTE, peer, 6991, p, o);
+      Exchange::Impl::wait_all(comm, p, "calibrate both ways", o);
+      if (i > 0) t.push_back(timer.seconds());
     }
     std::sort(t.begin(), t.end());
   }
@@ -225,11 +254,29 @@ int run(int argc, char** argv) {
   if (flags[0] == 0) model.intra_node = model.inter_node;  // one rank per node: no intra-node pairs to measure
   if (flags[1] == 0) model.inter_node = model.intra_node;  // one node
   double nic_stated_mib = 0;
-  if (deck.topology.fabric.enabled() && topo.num_nodes() >= 2) {
+  // Nodes on different hosts share their host's network link. Its time per
+  // byte is that of every rank of a host with its partner across, both ways
+  // at once (an exchange loads a link in both directions: data out, the
+  // acknowledgements of the data in), per byte of all their traffic (and
+  // per message of one of them): the nic cost, which is also the inter_node
+  // cost of a rank alone on the link (a relay).
+  bool const real_hosts = !deck.topology.fabric.enabled() && topo.kind() == Topology::LayoutKind::hwloc && topo.num_nodes() >= 2 &&
+                          topo.rank(topo.ranks_of_node(0).front()).host != topo.rank(topo.ranks_of_node(1).front()).host;
+  if ((deck.topology.fabric.enabled() || real_hosts) && topo.num_nodes() >= 2) {
     int const a = topo.ranks_of_node(0).front(), b = topo.ranks_of_node(1).front();
     int const partner = rank == a ? b : rank == b ? a : -1;
-    model.nic = measure("nic", partner, with_fabric, true);
-    nic_stated_mib = 1e-9 * static_cast<double>(deck.topology.fabric.cost_ns(true, 1 << 20));
+    if (real_hosts) {
+      double const pairs = static_cast<double>(std::min(topo.ranks_of_node(0).size(), topo.ranks_of_node(1).size()));
+      std::vector<std::pair<double, double>> p;
+      for (auto bytes : sizes) p.push_back({pairs * static_cast<double>(bytes), both_ways(ep, inter, bytes, o.reps, plain, watchdog)});
+      model.nic = fit("nic", p);
+      model.inter_node = model.nic;
+      model.nic.alpha_s /= pairs;
+      model.nics_per_node = 1;
+    } else {
+      model.nic = measure("nic", partner, with_fabric, true);
+      nic_stated_mib = 1e-9 * static_cast<double>(deck.topology.fabric.cost_ns(true, 1 << 20));
+    }
   }
   // A stage's fixed cost, per algorithm: an exchange of one token per rank
   // (its rows cost next to nothing), fabric off; the slowest rank's time per
@@ -280,7 +327,7 @@ int run(int argc, char** argv) {
     kmoe_bench::print_bench("calibrate_" + link,
                             {{"ranks", std::to_string(size)},
                              {"nodes", std::to_string(topo.num_nodes())},
-                             {"evidence", link == "nic" ? "emulated" : "measured"},
+                             {"evidence", link == "nic" && !real_hosts ? "emulated" : "measured"},
                              {"alpha_us", kmoe_bench::fmt(l.alpha_s * 1e6)},
                              {"beta_gbps", kmoe_bench::fmt(l.beta_s_per_byte > 0 ? 1e-9 / l.beta_s_per_byte : 0.0)},
                              {"mib_us", kmoe_bench::fmt(l.seconds(1, 1 << 20) * 1e6)},
@@ -291,6 +338,7 @@ int run(int argc, char** argv) {
   line("intra_node", model.intra_node, memcpy_mib);
   line("inter_node", model.inter_node, memcpy_mib);
   if (nic_stated_mib > 0) line("nic", model.nic, nic_stated_mib);
+  if (real_hosts) line("nic", model.nic, memcpy_mib);
   collective(world, "writing the cost model", [&] {
     if (rank != 0) return;
     write_text_file(o.out, model.to_json(2) + "\n");

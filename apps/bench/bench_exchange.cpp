@@ -10,16 +10,29 @@
 // default layout) and, where nodes have more than one rank, as rails: every
 // rank the relay of its own rail (relays_per_node = ranks per node, DeepEP's
 // layout), case exchange_hierarchical_rails_np<N>.
+//
+// --hosts: the ranks' nodes are the real hosts (hwloc layout: host names and
+// MPI's shared-memory split, e.g. across scripts/netns-cluster), every
+// algorithm is timed alternately with the flat exchange and its ratio is its
+// time over flat's in the same run (flat's own line keeps the MPI_Alltoallv
+// baseline). --cost-model FILE (kmoe-bench calibrate on the same hosts)
+// prints the model's prediction of each algorithm's time beside the measured
+// one (model_s, and model_err = measured / predicted - 1), from the
+// planner's ledgers of every rank's routes.
 
 #include "kmoe_bench_common.hpp"
 
 #include <KokkosMoE_Combine.hpp>
 #include <KokkosMoE_DispatchPlan.hpp>
 #include <KokkosMoE_Exchange.hpp>
+#include <KokkosMoE_Exchange_CostModel.hpp>
+#include <KokkosMoE_Exchange_Planner.hpp>
+#include <KokkosMoE_PlacementIO.hpp>
 
 #include <CLI/CLI.hpp>
 
 #include <memory>
+#include <optional>
 #include <numeric>
 #include <random>
 
@@ -69,7 +82,9 @@ int run(int argc, char** argv) {
   int tokens = 4096, top_k = 8, width = 2048, experts = 64, reps = 7, waves = 4;
   double sender_cf = 1.25, receiver_cf = 1.5;
   std::string transport = "mpi";
-  std::vector<std::string> algorithms{"flat", "hierarchical", "pooled_wave"};
+  std::vector<std::string> algorithms{"flat", "hierarchical", "hierarchical_dedup", "pooled_wave"};
+  bool hosts = false;
+  std::string cost_model;
   app.add_option("--tokens", tokens, "tokens per rank")->check(CLI::NonNegativeNumber);
   app.add_option("--top-k", top_k, "routes per token")->check(CLI::PositiveNumber);
   app.add_option("--width", width, "hidden width d")->check(CLI::PositiveNumber);
@@ -82,7 +97,9 @@ int run(int argc, char** argv) {
       ->check(CLI::IsMember({"mpi", "nccl"}));
   app.add_option("--algorithms", algorithms, "exchange algorithms to time (comma-separated)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"flat", "hierarchical", "pooled_wave"}));
+      ->check(CLI::IsMember(enum_names<Exchange::Algorithm>()));
+  app.add_flag("--hosts", hosts, "nodes are the real hosts (hwloc layout); ratios are times over the flat exchange's in the same run");
+  app.add_option("--cost-model", cost_model, "cost model file (kmoe-bench calibrate): its predicted time beside each measured one");
   try {
     app.parse(argc, argv);
   } catch (CLI::ParseError const& e) {
@@ -92,10 +109,20 @@ int run(int argc, char** argv) {
   int const rank = comm_rank(MPI_COMM_WORLD);
   KOKKOSMOE_REQUIRE(top_k <= experts, "--top-k " << top_k << " exceeds --experts " << experts);
   Exec exec;
-  // Two virtual nodes when the rank count allows (so relays do something).
+  // Two virtual nodes when the rank count allows (so relays do something),
+  // or the real hosts.
   Topology::LayoutSpec layout;
-  layout.kind = Topology::LayoutKind::virtual_nodes;
-  layout.ranks_per_node = size % 2 == 0 ? size / 2 : size;
+  if (hosts) {
+    layout.kind = Topology::LayoutKind::hwloc;
+  } else {
+    layout.kind = Topology::LayoutKind::virtual_nodes;
+    layout.ranks_per_node = size % 2 == 0 ? size / 2 : size;
+  }
+  std::optional<Exchange::CostModel> model;
+  if (!cost_model.empty()) {
+    auto const text = read_text_file(MPI_COMM_WORLD, cost_model, "cost model");
+    collective(MPI_COMM_WORLD, "cost model", [&] { model = Exchange::CostModel::from_json(text, cost_model); });
+  }
   auto topo = Topology::Topology::discover(MPI_COMM_WORLD, layout);
   Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, Topology::CommSpec{});
   // Rails: one relay per rank of the smallest node (same EP peer order).
@@ -167,20 +194,28 @@ int run(int argc, char** argv) {
 
   std::string const shape = "T" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_d" + std::to_string(width) + "_E" +
                             std::to_string(experts);
-  auto report = [&](std::string const& algo, int relays, std::pair<double, double> times, Exchange::ByteLedger const& ledger) {
-    double const s = times.first, alltoallv_s = times.second;
+  // The planner's ledgers of every rank's routes: what the cost model prices.
+  auto const all_routes = model ? Exchange::allgather_routes(MPI_COMM_WORLD, routes) : Exchange::RankRoutePlans{};
+  auto report = [&](std::string const& algo, int relays, std::pair<double, double> times, char const* baseline,
+                    Exchange::ByteLedger const& ledger, double predicted) {
+    double const s = times.first, base_s = times.second;
     auto const total = ledger.reduced(MPI_COMM_WORLD);
-    kmoe_bench::print_bench(std::string("exchange_") + algo + (transport == "mpi" ? "" : "_" + transport) + "_np" +
-                                std::to_string(size),
-                            {{"s", kmoe_bench::fmt(s)}, {"alltoallv_s", kmoe_bench::fmt(alltoallv_s)}, {"dtype", "bf16"},
-                             {"transport", transport}, {"memory", MS::name()},
-                             {"baseline_mpi", direct ? "direct" : "host_staged"},
-                             {"shape", shape}, {"nodes", std::to_string(topo.num_nodes())},
-                             {"relays_per_node", relays > 0 ? std::to_string(relays) : "none"},
-                             {"inter_node_bytes", std::to_string(total.dispatch.inter_node_payload_bytes())},
-                             {"relay_rows", std::to_string(total.dispatch.relay_rows())},
-                             {"drops", std::to_string(total.dispatch.sender_drops + total.dispatch.receiver_drops)}},
-                            s / alltoallv_s);
+    std::vector<std::pair<std::string, std::string>> fields{
+        {"s", kmoe_bench::fmt(s)}, {std::string(baseline) + "_s", kmoe_bench::fmt(base_s)}, {"baseline", baseline},
+        {"dtype", "bf16"}, {"transport", transport}, {"memory", MS::name()}, {"baseline_mpi", direct ? "direct" : "host_staged"},
+        {"shape", shape}, {"layout", hosts ? "hosts" : "virtual"}, {"nodes", std::to_string(topo.num_nodes())},
+        {"relays_per_node", relays > 0 ? std::to_string(relays) : "none"},
+        {"inter_node_bytes", std::to_string(total.dispatch.inter_node_payload_bytes())},
+        {"dedup_saved_bytes", std::to_string(total.dispatch.by_class(Exchange::LinkClass::inter_node).dedup_saved_bytes)},
+        {"relay_rows", std::to_string(total.dispatch.relay_rows())},
+        {"drops", std::to_string(total.dispatch.sender_drops + total.dispatch.receiver_drops)}};
+    if (predicted > 0) {
+      fields.push_back({"model_s", kmoe_bench::fmt(predicted)});
+      fields.push_back({"model_err", kmoe_bench::fmt(s / predicted - 1.0, 3)});
+    }
+    kmoe_bench::print_bench(std::string("exchange_") + algo + (transport == "mpi" ? "" : "_" + transport) + (hosts ? "_hosts" : "") +
+                                "_np" + std::to_string(size),
+                            fields, s / base_s);
   };
   Exchange::ExchangeConfig config;
   config.payload = PayloadType::bf16;
@@ -192,19 +227,32 @@ int run(int argc, char** argv) {
   config.transport = from_string<Exchange::TransportKind>(transport);
   config.top_k = top_k;
   PayloadBuffer<MS> returned(exec, "bench::returned", PayloadType::bf16, width, plan.rows());
+  // One step of an exchange: every wave dispatched and combined (identity experts).
+  auto step = [&](Exchange::AnyExchange<bf16_t, Exec, MS>& x, Exchange::ByteLedger& ledger) {
+    ledger = Exchange::ByteLedger();
+    for (int w = 0; w < x.waves(); ++w) {
+      auto h = x.dispatch(exec, routes, plan, hidden, w);
+      x.combine(exec, h, h.expert_rows, returned, {});
+      ledger.append(h.ledger);
+    }
+  };
+  config.algorithm = Exchange::Algorithm::flat;
+  auto flat = Exchange::make_exchange<bf16_t, Exec, MS>(comms, placement, config);
+  Exchange::ByteLedger flat_ledger;
   auto time_one = [&](Exchange::Algorithm algorithm, Topology::CommunicatorSet const& over, std::string const& label) {
     config.algorithm = algorithm;
     auto x = Exchange::make_exchange<bf16_t, Exec, MS>(over, placement, config);
     Exchange::ByteLedger ledger;
-    auto const times = timed_pair(reps, [&] {
-      ledger = Exchange::ByteLedger();
-      for (int w = 0; w < x->waves(); ++w) {
-        auto h = x->dispatch(exec, routes, plan, hidden, w);
-        x->combine(exec, h, h.expert_rows, returned, {});  // identity experts
-        ledger.append(h.ledger);
-      }
-    }, alltoallv);
-    report(label, algorithm == Exchange::Algorithm::hierarchical ? over.layout().relays_per_node : 0, times, ledger);
+    bool const against_flat = hosts && algorithm != Exchange::Algorithm::flat;
+    auto const times = against_flat ? timed_pair(reps, [&] { step(*x, ledger); }, [&] { step(*flat, flat_ledger); })
+                                    : timed_pair(reps, [&] { step(*x, ledger); }, alltoallv);
+    double predicted = 0;
+    if (model) {
+      auto const planned = Exchange::plan_ledgers(Exchange::PlanInput{topo, over.layout(), all_routes, placement, config, width, PayloadType::bf16});
+      predicted = Exchange::total_seconds(Exchange::predict(model->for_fabric(Exchange::FabricSpec{}), topo, over.layout(), planned));
+    }
+    bool const relayed = algorithm == Exchange::Algorithm::hierarchical || algorithm == Exchange::Algorithm::hierarchical_dedup;
+    report(label, relayed ? over.layout().relays_per_node : 0, times, against_flat ? "flat" : "alltoallv", ledger, predicted);
   };
   for (auto const& name : algorithms) {
     auto const algorithm = from_string<Exchange::Algorithm>(name);
@@ -214,7 +262,7 @@ int run(int argc, char** argv) {
   return 0;
 }
 
-kmoe_bench::Register reg("exchange", "flat / hierarchical / pooled-wave dispatch+combine vs MPI_Alltoallv (T=4096/rank, k=8, d=2048, bf16)",
+kmoe_bench::Register reg("exchange", "flat / hierarchical / hierarchical_dedup / pooled-wave dispatch+combine vs MPI_Alltoallv (T=4096/rank, k=8, d=2048, bf16); --hosts: vs flat across real hosts",
                          run);
 
 }  // namespace
