@@ -27,7 +27,11 @@
 /// dispatch, decoded in its last (its useful rows); relays forward encoded
 /// rows. A direction whose rows need no repack copy (DirectionLedger::
 /// rows_in_place: rows land in their expert rows, results leave from them)
-/// has no decode (dispatch) or expert-output encode (combine) term. The messages are the ledger's (the rows' and their metadata's,
+/// has no decode (dispatch) or expert-output encode (combine) term. A
+/// deduplicating hierarchical exchange's relays also copy rows in runs
+/// (decode_s_per_byte): the units they forward (dispatch stage 2), the rows
+/// they expand them into (stage 3) and the results they sum into partials
+/// (combine stage 1). The messages are the ledger's (the rows' and their metadata's,
 /// one per run where a stage sends runs separately: transfer_messages),
 /// and every rank of the stage's communicator sends one count message to
 /// each of its peers (the counts and, for runs, their lengths, one round).
