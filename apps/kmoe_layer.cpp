@@ -156,6 +156,7 @@ class LayerRun {
         layer_(std::make_unique<MoELayer<T, Exec, MS>>(setup_.config, *setup_.comms, setup_.placement, router_weight_,
                                                         Setup::routed_weights<T, MS>(exec_, deck, setup_, rank_, world_),
                                                         Setup::shared_weights<T, MS>(exec_, deck))) {
+    Setup::load_correction_bias(exec_, deck, layer_->router());
     algorithms_ = deck.run.compare;
     if (algorithms_.empty())
       algorithms_.push_back(opt.algorithm.empty() ? deck.exchange.algorithm : from_string<Exchange::Algorithm>(opt.algorithm));

@@ -142,6 +142,31 @@ void parse_model(Reader& r, LayerDeck& d) {
   d.model.dtype = r.choice("model.dtype", "fp32", {"fp32", "bf16"});
   d.model.payload = payload_of(r, "model.payload", "bf16", true);
   d.model.return_payload = payload_of(r, "model.return_payload", "bf16", false);
+  d.model.checkpoint = r.string("model.checkpoint", "");
+  d.model.layer = static_cast<int>(r.integer("model.layer", -1, -1, big));
+  if (d.model.checkpoint.empty()) {
+    if (d.model.layer >= 0) r.fail("model.layer", "selects a layer of model.checkpoint, which is not given");
+    return;
+  }
+  if (d.model.layer < 0) r.fail("model.checkpoint", "needs model.layer: the index of the checkpoint's MoE layer to run");
+  try {
+    d.model.hf = Checkpoint::hf_moe_layer(d.model.checkpoint, d.model.layer);
+  } catch (Error const& e) {
+    r.fail(r.has("model.layer") ? "model.layer" : "model.checkpoint", e.what());
+  }
+  auto const& hf = d.model.hf;
+  // Sizes come from config.json; a deck that states one must agree.
+  auto size = [&](char const* key, int& field, int value, char const* config_key) {
+    if (r.has(key) && field != value)
+      r.fail(key, "= " + std::to_string(field) + " contradicts the checkpoint's config.json (" + config_key + " = " + std::to_string(value) + ")");
+    field = value;
+  };
+  size("model.hidden", d.model.hidden, hf.hidden, "hidden_size");
+  size("model.experts", d.model.experts, hf.experts, hf.family == "mixtral" ? "num_local_experts" : hf.family == "qwen3_moe" ? "num_experts" : "n_routed_experts");
+  size("model.top_k", d.model.top_k, hf.top_k, "num_experts_per_tok");
+  size("model.ffn", d.model.ffn, hf.ffn, hf.family == "mixtral" ? "intermediate_size" : "moe_intermediate_size");
+  size("model.shared_experts", d.model.shared_experts, hf.shared_ffn > 0 ? 1 : 0, "n_shared_experts > 0: one shared MLP");
+  size("model.shared_ffn", d.model.shared_ffn, hf.shared_ffn > 0 ? hf.shared_ffn : d.model.ffn, "n_shared_experts x moe_intermediate_size");
 }
 
 /// [router] (num_experts and top_k from [model])
@@ -149,15 +174,32 @@ void parse_router(Reader& r, LayerDeck& d) {
   RouterConfig& rc = d.router;
   rc.num_experts = d.model.experts;
   rc.top_k = d.model.top_k;
-  rc.score = from_string<ScoreFunction>(r.choice("router.score", "softmax", {"softmax", "sigmoid"}));
-  rc.num_groups = static_cast<int>(r.integer("router.groups", 1, 1, 65535));
+  bool const ck = !d.model.checkpoint.empty();
+  auto const& hf = d.model.hf;
+  // With a checkpoint, its config.json gives the routing; a deck that states
+  // a key must agree with it.
+  auto agree = [&](char const* key, std::string const& deck_value, std::string const& config_value, char const* config_key) {
+    if (ck && r.has(key) && deck_value != config_value)
+      r.fail(key, "= " + deck_value + " contradicts the checkpoint's config.json (" + config_key + ": " + config_value + ")");
+  };
+  {
+    std::string const score = r.choice("router.score", ck ? hf.score : "softmax", {"softmax", "sigmoid"});
+    agree("router.score", score, hf.score, "scoring_func");
+    rc.score = from_string<ScoreFunction>(score);
+  }
+  rc.num_groups = static_cast<int>(r.integer("router.groups", ck ? hf.groups : 1, 1, 65535));
+  agree("router.groups", std::to_string(rc.num_groups), std::to_string(hf.groups), "n_group");
   if (d.model.experts % rc.num_groups != 0)
     r.fail("router.groups", "= " + std::to_string(rc.num_groups) + " does not divide model.experts = " + std::to_string(d.model.experts));
-  rc.topk_groups = static_cast<int>(r.integer("router.topk_groups", rc.num_groups, 1, 65535));
+  rc.topk_groups = static_cast<int>(r.integer("router.topk_groups", ck ? hf.topk_groups : rc.num_groups, 1, 65535));
+  agree("router.topk_groups", std::to_string(rc.topk_groups), std::to_string(hf.topk_groups), "topk_group");
   if (rc.topk_groups > rc.num_groups)
     r.fail("router.topk_groups", "= " + std::to_string(rc.topk_groups) + " exceeds router.groups = " + std::to_string(rc.num_groups));
   {
-    std::string const gs = r.string("router.group_score", rc.topk_groups < rc.num_groups ? "max" : "none");
+    std::string const gs = r.string("router.group_score", ck && !hf.group_score.empty() ? hf.group_score
+                                                          : rc.topk_groups < rc.num_groups   ? "max"
+                                                                                             : "none");
+    if (!hf.group_score.empty()) agree("router.group_score", gs, hf.group_score, "topk_method");
     try {
       rc.group_score = set_score_from_string(gs, &rc.group_top_m);
     } catch (Error const& e) {
@@ -177,9 +219,14 @@ void parse_router(Reader& r, LayerDeck& d) {
   }
   if (d.domain_limit != "none" && rc.group_limited())
     r.fail("router.domain_limit", "a domain limit cannot be combined with a group limit (router.topk_groups < router.groups)");
-  rc.normalize = r.boolean("router.normalize", rc.score == ScoreFunction::sigmoid);
-  rc.route_scale = static_cast<float>(r.real("router.route_scale", 1.0, 0.0, huge, true));
-  rc.use_correction_bias = r.boolean("router.correction_bias", false);
+  rc.normalize = r.boolean("router.normalize", ck ? hf.normalize : rc.score == ScoreFunction::sigmoid);
+  agree("router.normalize", rc.normalize ? "true" : "false", hf.normalize ? "true" : "false", "norm_topk_prob");
+  rc.route_scale = static_cast<float>(r.real("router.route_scale", ck ? hf.route_scale : 1.0, 0.0, huge, true));
+  if (ck && r.has("router.route_scale") && rc.route_scale != static_cast<float>(hf.route_scale))
+    r.fail("router.route_scale", "contradicts the checkpoint's config.json (routed_scaling_factor: " + std::to_string(hf.route_scale) + ")");
+  rc.use_correction_bias = r.boolean("router.correction_bias", ck && hf.correction_bias);
+  agree("router.correction_bias", rc.use_correction_bias ? "true" : "false", hf.correction_bias ? "true" : "false",
+        "topk_method noaux_tc: e_score_correction_bias");
   d.bias_update = r.choice("router.bias_update", "none", {"none", "sign", "proportional"});
   d.bias_gamma = r.real("router.bias_gamma", 0.001, 0.0, huge);
   if (d.bias_update != "none" && !rc.use_correction_bias)
@@ -412,6 +459,10 @@ void parse_experts(Reader& r, LayerDeck& d) {
   d.experts.decode_rows = static_cast<int>(r.integer("experts.decode_rows", -1, -1, Experts::max_decode_rows));
   d.experts.weights = r.string("experts.weights", "");
   d.experts.save_weights = r.string("experts.save_weights", "");
+  if (!d.model.checkpoint.empty()) {
+    if (!d.experts.weights.empty()) r.fail("experts.weights", "cannot be combined with model.checkpoint, which gives the routed experts");
+    if (d.experts.runner == Experts::RunnerKind::scalar) r.fail("experts.runner", "scalar experts cannot run model.checkpoint's SwiGLU experts");
+  }
   for (double s : r.reals("experts.scales", -huge, huge)) d.experts.scales.push_back(static_cast<float>(s));
   if (d.experts.runner == Experts::RunnerKind::scalar) {
     if (d.experts.scales.empty()) d.experts.scales.assign(static_cast<std::size_t>(d.model.experts), 1.0f);
@@ -496,6 +547,7 @@ std::string LayerDeck::resolved() const {
   os << "\n[model]\nhidden = " << model.hidden << "\nexperts = " << model.experts << "\ntop_k = " << model.top_k << "\nffn = " << model.ffn
      << "\nshared_experts = " << model.shared_experts << "\nshared_ffn = " << model.shared_ffn << "\ndtype = " << quoted(model.dtype)
      << "\npayload = " << quoted(to_string(model.payload)) << "\nreturn_payload = " << quoted(to_string(model.return_payload)) << "\n";
+  if (!model.checkpoint.empty()) os << "checkpoint = " << quoted(model.checkpoint) << "\nlayer = " << model.layer << "\n";
   os << "\n[router]\nscore = " << quoted(to_string(router.score)) << "\ngroups = " << router.num_groups << "\ntopk_groups = " << router.topk_groups
      << "\ngroup_score = " << quoted(router.group_score == SetScore::top_m_sum ? "top" + std::to_string(router.group_top_m) + "_sum" : to_string(router.group_score))
      << "\ndomain_limit = " << quoted(domain_limit) << "\nmax_domains = " << router.max_domains

@@ -17,6 +17,7 @@
 #include <KokkosMoE_Placement.hpp>
 #include <KokkosMoE_RouteTrace.hpp>
 #include <KokkosMoE_Router.hpp>
+#include <KokkosMoE_Safetensors.hpp>
 #include <KokkosMoE_Schedule.hpp>
 #include <KokkosMoE_Topology.hpp>
 #include <KokkosMoE_Topology_Communicators.hpp>
@@ -94,6 +95,13 @@ struct LayerDeck {
     std::string dtype = "fp32";               ///< hidden rows and weights: fp32 or bf16
     PayloadType payload = PayloadType::bf16;  ///< dispatch rows on the wire
     PayloadType return_payload = PayloadType::bf16;  ///< combine rows on the wire
+    /// A Hugging Face checkpoint (a directory with config.json and
+    /// safetensors files, single or sharded) whose MoE layer `layer` the
+    /// layer runs: sizes and routing from config.json, every weight from
+    /// the safetensors ("" : seeded weights).
+    std::string checkpoint;
+    int layer = -1;
+    Checkpoint::HFMoELayer hf;  ///< config.json's layer (with checkpoint)
   } model;
 
   RouterConfig router;              ///< num_experts/top_k filled from [model]

@@ -190,12 +190,51 @@ inline LayerConfig layer_config(LayerDeck const& d, Run const& run, Placement co
   return c;
 }
 
-/// \brief [E, d] router weight: element (e, c) = (2u - 1) / sqrt(d), u from (seed, e, c).
+namespace Impl {
+/// Copies a checkpoint tensor (FP32, row-major, `n` values) into slot q of
+/// a host [L, rows, cols] tensor, or into a host [rows, cols] matrix (q < 0).
+template <class H>
+void put_tensor(H const& h, int q, std::vector<float> const& v) {
+  using T = typename H::non_const_value_type;
+  if constexpr (H::rank == 3) {
+    std::size_t const rows = h.extent(1), cols = h.extent(2);
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < cols; ++j) h(q, i, j) = from_float<T>(v[i * cols + j]);
+  } else {
+    std::size_t const rows = h.extent(0), cols = h.extent(1);
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < cols; ++j) h(i, j) = from_float<T>(v[i * cols + j]);
+  }
+}
+
+/// SwiGLU weights of logical expert e of `hf` (gate, up, down) into slot q.
+template <class T, class MS>
+void load_expert(Checkpoint::SafetensorsCheckpoint const& ck, std::string const& gate, std::string const& up, std::string const& down,
+                 Experts::ExpertWeights<T, MS> const& w, int q,
+                 typename Experts::ExpertWeights<T, MS>::tensor_type::HostMirror const& hg,
+                 typename Experts::ExpertWeights<T, MS>::tensor_type::HostMirror const& hu,
+                 typename Experts::ExpertWeights<T, MS>::tensor_type::HostMirror const& hd) {
+  std::int64_t const D = w.d(), F = w.d_ff();
+  put_tensor(hg, q, ck.read_f32(gate, {F, D}));
+  put_tensor(hu, q, ck.read_f32(up, {F, D}));
+  put_tensor(hd, q, ck.read_f32(down, {D, F}));
+}
+}  // namespace Impl
+
+/// \brief [E, d] router weight: the checkpoint's (model.checkpoint), or
+/// element (e, c) = (2u - 1) / sqrt(d), u from (seed, e, c). The same on
+/// every rank (a checkpoint's error is every rank's).
 template <class T, class MS>
 RowMatrix<T, MS> router_weight(LayerDeck const& d) {
   int const E = d.model.experts, D = d.model.hidden;
   RowMatrix<T, MS> w("KokkosMoE::Setup::router_weight", E, D);
   auto h = Kokkos::create_mirror_view(w);
+  if (!d.model.checkpoint.empty()) {
+    Checkpoint::SafetensorsCheckpoint ck(d.model.checkpoint);
+    Impl::put_tensor(h, -1, ck.read_f32(d.model.hf.router_weight, {E, D}));
+    Kokkos::deep_copy(w, h);
+    return w;
+  }
   double const scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (int e = 0; e < E; ++e)
     for (int c = 0; c < D; ++c)
@@ -216,7 +255,26 @@ Experts::ExpertWeights<T, MS> routed_weights(Exec const& exec, LayerDeck const& 
   if (d.experts.runner == Experts::RunnerKind::scalar)
     return Experts::ExpertWeights<T, MS>::scalar("KokkosMoE::routed", slot_expert, d.model.hidden, d.experts.scales);
   Experts::ExpertWeights<T, MS> w("KokkosMoE::routed", slot_expert, d.model.hidden, d.model.ffn);
-  if (d.experts.weights.empty())
+  if (!d.model.checkpoint.empty()) {
+    // Each rank reads the experts of its slots only (replicas read theirs
+    // again); a missing or bad tensor on any rank fails every rank.
+    collective(comm, "loading the routed experts of model.checkpoint", [&] {
+      Checkpoint::SafetensorsCheckpoint ck(d.model.checkpoint);
+      auto hg = Kokkos::create_mirror_view(w.gate());
+      auto hu = Kokkos::create_mirror_view(w.up());
+      auto hd = Kokkos::create_mirror_view(w.down());
+      auto const& hf = d.model.hf;
+      for (int q = 0; q < w.num_slots(); ++q) {
+        int const e = slot_expert[static_cast<std::size_t>(q)];
+        Impl::load_expert(ck, hf.expert_gate(e), hf.expert_up(e), hf.expert_down(e), w, q, hg, hu, hd);
+      }
+      Kokkos::deep_copy(w.gate(), hg);
+      Kokkos::deep_copy(w.up(), hu);
+      Kokkos::deep_copy(w.down(), hd);
+    });
+    w.set_version(1);
+    w.refresh_digests();
+  } else if (d.experts.weights.empty())
     w.randomize(exec, d.run.seed);
   else
     w.load(comm, d.experts.weights, Experts::LoadContext{epoch, placement.generation()});
@@ -237,8 +295,37 @@ std::optional<Experts::ExpertWeights<T, MS>> shared_weights(Exec const& exec, La
   std::vector<int> ids;
   for (int s = 0; s < d.model.shared_experts; ++s) ids.push_back(d.model.experts + s);
   Experts::ExpertWeights<T, MS> w("KokkosMoE::shared", ids, d.model.hidden, d.model.shared_ffn);
+  if (!d.model.checkpoint.empty()) {
+    // The checkpoint's shared MLP (n_shared_experts x moe_intermediate_size wide) as one shared expert.
+    Checkpoint::SafetensorsCheckpoint ck(d.model.checkpoint);
+    auto hg = Kokkos::create_mirror_view(w.gate());
+    auto hu = Kokkos::create_mirror_view(w.up());
+    auto hd = Kokkos::create_mirror_view(w.down());
+    Impl::load_expert(ck, d.model.hf.shared_gate, d.model.hf.shared_up, d.model.hf.shared_down, w, 0, hg, hu, hd);
+    Kokkos::deep_copy(w.gate(), hg);
+    Kokkos::deep_copy(w.up(), hu);
+    Kokkos::deep_copy(w.down(), hd);
+    w.set_version(1);
+    w.refresh_digests();
+    return w;
+  }
   w.randomize(exec, d.run.seed ^ 0x5348415245ULL);
   return w;
+}
+
+/// \brief The checkpoint's correction bias (DeepSeek-V3's
+/// e_score_correction_bias) into a layer's router; nothing without a
+/// checkpoint or a bias.
+template <class MS, class Exec>
+void load_correction_bias(Exec const& exec, LayerDeck const& d, Router<MS>& router) {
+  if (d.model.checkpoint.empty() || d.model.hf.router_bias.empty()) return;
+  Checkpoint::SafetensorsCheckpoint ck(d.model.checkpoint);
+  auto const b = ck.read_f32(d.model.hf.router_bias, {d.model.experts});
+  auto bias = router.correction_bias();
+  auto h = Kokkos::create_mirror_view(bias);
+  for (int e = 0; e < d.model.experts; ++e) h(e) = b[static_cast<std::size_t>(e)];
+  Kokkos::deep_copy(exec, bias, h);
+  exec.fence();
 }
 
 /// \brief Global index of this rank's first token (ranks own tokens_per_rank

@@ -203,10 +203,12 @@ kmoe_status create(LayerDeck deck, MPI_Comm comm, kmoe_layer** out) {
       layer->bf16 = std::make_unique<MoELayer<bf16_t, Exec, MS>>(
           layer->run.config, *layer->run.comms, layer->run.placement, Setup::router_weight<bf16_t, MS>(d),
           Setup::routed_weights<bf16_t, MS>(exec, d, layer->run, rank, layer->comm), Setup::shared_weights<bf16_t, MS>(exec, d));
+      Setup::load_correction_bias(exec, d, layer->bf16->router());
     } else {
       layer->fp32 = std::make_unique<MoELayer<float, Exec, MS>>(
           layer->run.config, *layer->run.comms, layer->run.placement, Setup::router_weight<float, MS>(d),
           Setup::routed_weights<float, MS>(exec, d, layer->run, rank, layer->comm), Setup::shared_weights<float, MS>(exec, d));
+      Setup::load_correction_bias(exec, d, layer->fp32->router());
     }
   });
   if (st != KMOE_SUCCESS) {
