@@ -116,6 +116,12 @@ RefResult ref_route(RouterConfig const& c, std::vector<float> const& s, std::vec
     std::fill(eligible.begin(), eligible.end(), 0);
     for (int g : r.sets)
       for (int e = g * S; e < (g + 1) * S; ++e) eligible[e] = 1;
+    if (c.group_mask == GroupMask::zero)
+      for (int e = 0; e < E; ++e)
+        if (!eligible[e]) {
+          v[e] = 0.0f;  // the dropped groups' experts compete with 0
+          eligible[e] = 1;
+        }
   } else if (c.domain_limited()) {
     int const D = c.num_domains();
     std::vector<float> ds(static_cast<std::size_t>(D));
@@ -511,6 +517,7 @@ RouterConfig random_config(std::mt19937& rng, int E) {
     c.group_score = which == 0 ? SetScore::max : SetScore::top_m_sum;
     c.group_top_m = which == 0 ? 2 : std::min(gsize, pick(1, 4));
     if (c.topk_groups == c.num_groups && pick(0, 1)) c.group_score = SetScore::none;
+    if (c.group_limited() && pick(0, 1)) c.group_mask = GroupMask::zero;
   } else if (mode == 2) {
     int const D = pick(1, std::min(E, 9));
     c.expert_domain.resize(static_cast<std::size_t>(E));
@@ -1079,6 +1086,37 @@ TEST_CASE("admission: a huge capacity factor admits every route (the capacity sa
       CHECK(stats.capacity >= 0);
     }
   }
+}
+
+TEST_CASE("group_mask: exclude and zero differ where a kept expert's score plus bias is below zero", "[router][groups]") {
+  // 3 groups of 2, one kept (top-2 sums of score + bias: 0.2, 0.1, 0.04),
+  // k = 2. Expert 1 is kept but its score plus bias is -0.4: excluded
+  // groups leave it the second choice; zeroed ones let expert 2 (0.0, the
+  // lowest index of the dropped groups) win over it. Gates are scores.
+  RouterConfig c;
+  c.num_experts = 6;
+  c.top_k = 2;
+  c.score = ScoreFunction::identity;
+  c.use_correction_bias = true;
+  c.num_groups = 3;
+  c.topk_groups = 1;
+  c.group_score = SetScore::top_m_sum;
+  c.group_top_m = 2;
+  std::vector<float> const scores = {0.6f, 0.1f, 0.05f, 0.05f, 0.02f, 0.02f};
+  std::vector<float> const bias = {0.0f, -0.5f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (GroupMask mask : {GroupMask::exclude, GroupMask::zero}) {
+    c.group_mask = mask;
+    Router<Mem> router(c);
+    set_bias(router, bias);
+    auto const table = run_identity(router, scores, 1);
+    auto const want = mask == GroupMask::exclude ? std::vector<int>{0, 1} : std::vector<int>{0, 2};
+    CHECK(row_ints(table.expert, 0) == want);
+    CHECK(row_floats(table.gate, 0) == std::vector<float>{0.6f, mask == GroupMask::exclude ? 0.1f : 0.05f});
+    auto const ref = ref_route(c, scores, bias);
+    CHECK(ref.experts == want);
+  }
+  CHECK(to_string(GroupMask::zero) == "zero");
+  CHECK(from_string<GroupMask>("exclude") == GroupMask::exclude);
 }
 
 TEST_CASE("team and thread selection mappings give the same bits", "[router][mapping]") {

@@ -206,6 +206,7 @@ void parse_router(Reader& r, LayerDeck& d) {
       r.fail("router.group_score", e.what());
     }
   }
+  rc.group_mask = r.option("router.group_mask", GroupMask::exclude);
   d.domain_limit = r.choice("router.domain_limit", "none", {"none", "rank", "node"});
   rc.max_domains = static_cast<int>(r.integer("router.max_domains", d.domain_limit == "none" ? 0 : 1, 0, 65535));
   if (d.domain_limit != "none" && rc.max_domains < 1) r.fail("router.max_domains", "must be >= 1 with a domain limit");
@@ -550,6 +551,7 @@ std::string LayerDeck::resolved() const {
   if (!model.checkpoint.empty()) os << "checkpoint = " << quoted(model.checkpoint) << "\nlayer = " << model.layer << "\n";
   os << "\n[router]\nscore = " << quoted(to_string(router.score)) << "\ngroups = " << router.num_groups << "\ntopk_groups = " << router.topk_groups
      << "\ngroup_score = " << quoted(router.group_score == SetScore::top_m_sum ? "top" + std::to_string(router.group_top_m) + "_sum" : to_string(router.group_score))
+     << "\ngroup_mask = " << quoted(to_string(router.group_mask))
      << "\ndomain_limit = " << quoted(domain_limit) << "\nmax_domains = " << router.max_domains
      << "\ndomain_score = " << quoted(router.domain_score == SetScore::top_m_sum ? "top" + std::to_string(router.domain_top_m) + "_sum" : to_string(router.domain_score))
      << "\nnormalize = " << (router.normalize ? "true" : "false") << "\nroute_scale = " << router.route_scale

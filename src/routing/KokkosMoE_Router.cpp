@@ -56,7 +56,7 @@ int RouterConfig::num_domains() const {
 }
 
 int RouterConfig::min_eligible_experts() const {
-  if (group_limited()) return topk_groups * (num_experts / num_groups);
+  if (group_limited()) return group_mask == GroupMask::zero ? num_experts : topk_groups * (num_experts / num_groups);
   if (domain_limited()) {
     std::vector<int> sizes(static_cast<std::size_t>(std::max(0, num_domains())), 0);
     for (int x : expert_domain)

@@ -91,6 +91,22 @@ inline EnumTable<SelectMapping> const& names_of(SelectMapping) {
   return t;
 }
 
+/// \brief What a group limit does to the experts of the groups it leaves
+/// out. The two are both in use: DeepSeek's reference code excludes them
+/// (their selection values become -inf); Hugging Face transformers' DeepSeek-V3
+/// fills them with 0.0, so that, with a negative correction bias, an expert
+/// of a dropped group can still win over a kept expert whose score plus bias
+/// is below zero.
+enum class GroupMask {
+  exclude,  ///< the dropped groups' experts cannot be chosen
+  zero,     ///< their selection values are 0.0 (ties: the lower expert index)
+};
+
+inline EnumTable<GroupMask> const& names_of(GroupMask) {
+  static EnumTable<GroupMask> const t{"group mask", {{GroupMask::exclude, "exclude"}, {GroupMask::zero, "zero"}}};
+  return t;
+}
+
 /// \brief Router settings. The group limit and the domain limit are exclusive.
 struct RouterConfig {
   int num_experts = 0;   ///< E routed experts
@@ -102,6 +118,7 @@ struct RouterConfig {
   int topk_groups = 1;               ///< groups kept per token (group limit active when < num_groups)
   SetScore group_score = SetScore::none;
   int group_top_m = 2;               ///< m of SetScore::top_m_sum for groups
+  GroupMask group_mask = GroupMask::exclude;  ///< the dropped groups' experts: excluded, or selection value 0
 
   std::vector<int> expert_domain;    ///< [E] domain of every expert; empty: no domain limit
   int max_domains = 0;               ///< domains kept per token (domain limit active when > 0)
@@ -332,6 +349,7 @@ class Router {
       f.group_size = E / config_.num_groups;
       f.set_mode = config_.group_score == SetScore::max ? Impl::KernelSetScore::max : Impl::KernelSetScore::top_m_sum;
       f.top_m = config_.group_top_m;
+      f.zero_masked = config_.group_mask == GroupMask::zero;
     } else if (config_.domain_limited()) {
       f.limit = Impl::KernelLimit::domains;
       f.num_sets = config_.num_domains();

@@ -108,7 +108,7 @@ FAMILIES = {
 }
 
 
-def make_checkpoint(directory, family, dtype, sharded, seed=11):
+def make_checkpoint(directory, family, dtype, sharded, seed=11, bias_shift=0.0):
     """Writes config.json and the layer's tensors; returns the fp32 weights they hold."""
     spec = FAMILIES[family]
     cfg = spec["config"]
@@ -123,7 +123,7 @@ def make_checkpoint(directory, family, dtype, sharded, seed=11):
     tensors[p + "gate.weight"] = ("F32", router)
     weights["router"] = router
     if cfg.get("topk_method") == "noaux_tc":
-        bias = (0.2 * rng.standard_normal(E)).astype(np.float32)
+        bias = (0.2 * rng.standard_normal(E) + bias_shift).astype(np.float32)
         tensors[p + "gate.e_score_correction_bias"] = ("F32", bias)
         weights["bias"] = bias
 
@@ -158,8 +158,15 @@ def make_checkpoint(directory, family, dtype, sharded, seed=11):
     return cfg, weights
 
 
-def reference(x, cfg, w):
-    """The MoE block of the public definitions, in PyTorch (float64)."""
+def top(values, k):
+    """Indices of the k largest, ties to the lower index."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def reference(x, cfg, w, group_mask="exclude"):
+    """The MoE block of the public definitions, in PyTorch (float64);
+    group_mask: the dropped groups' experts excluded (-inf, DeepSeek's
+    reference code) or zeroed (0.0, Hugging Face transformers)."""
     family = cfg["model_type"]
     dt = torch.float64
     W = torch.tensor(w["router"], dtype=dt)
@@ -172,15 +179,17 @@ def reference(x, cfg, w):
         G, kg = cfg["n_group"], cfg["topk_group"]
         group_scores = sel.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_scores.topk(kg, dim=-1).indices, True)
-        sel = sel.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))  # excluded groups
-        idx = sel.topk(k, dim=-1).indices
+        fill = float("-inf") if group_mask == "exclude" else 0.0
+        sel = sel.masked_fill(~keep.repeat_interleave(E // G, dim=1), fill)
+        idx = top(sel, k)
         gates = s.gather(1, idx)
         if cfg["norm_topk_prob"]:
             gates = gates / gates.sum(-1, keepdim=True)
         gates = gates * cfg["routed_scaling_factor"]
     else:
         s = torch.softmax(logits, dim=-1)
-        gates, idx = s.topk(k, dim=-1)
+        idx = top(s, k)
+        gates = s.gather(1, idx)
         if family == "mixtral" or cfg.get("norm_topk_prob"):
             gates = gates / gates.sum(-1, keepdim=True)
 
@@ -197,7 +206,7 @@ def reference(x, cfg, w):
     return y
 
 
-def deck(path, checkpoint, layer, algorithm, nodes):
+def deck(path, checkpoint, layer, algorithm, nodes, group_mask="exclude"):
     text = f"""
 [run]
 steps = 1
@@ -210,6 +219,9 @@ layer = {layer}
 dtype = "fp32"
 payload = "fp32"
 return_payload = "fp32"
+
+[router]
+group_mask = "{group_mask}"
 
 [tokens]
 per_rank = {TOKENS}
@@ -265,6 +277,32 @@ def test_checkpoint_layer_equals_torch(family, dtype, sharded, algorithm):
     scale = np.abs(y_ref).max()
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-5 * scale, err_msg=f"{tag}: forward")
     np.testing.assert_allclose(dx, dx_ref, rtol=0, atol=1e-5 * np.abs(dx_ref).max(), err_msg=f"{tag}: input gradient")
+
+
+@pytest.mark.parametrize("group_mask", ["exclude", "zero"])
+def test_group_masks_differ_and_each_equals_its_reference(group_mask):
+    """A negative correction bias: where a kept expert's score plus bias is
+    below zero, the zeroed dropped groups' experts (0.0) win over it."""
+    tag = f"mask_{group_mask}_np{SIZE}"
+    directory = os.path.join(SCRATCH, "checkpoints", f"negative_bias_np{SIZE}")
+    deck_path = os.path.join(SCRATCH, "checkpoints", tag + ".toml")
+    if RANK == 0:
+        cfg, w = make_checkpoint(directory, "deepseek_v3", "F32", False, bias_shift=-0.8)
+        deck(deck_path, directory, 1, "flat", 1, group_mask)
+    else:
+        cfg, w = None, None
+    cfg, w = COMM.bcast((cfg, w), root=0)
+    x_all = np.random.default_rng(3).standard_normal((SIZE * TOKENS, cfg["hidden_size"])).astype(np.float32)
+    mine = slice(RANK * TOKENS, (RANK + 1) * TOKENS)
+    with km.Layer(deck=deck_path) as layer:
+        y = layer.forward(np.ascontiguousarray(x_all[mine]))
+    xt = torch.tensor(x_all, dtype=torch.float64)
+    y_ref = reference(xt, cfg, w, group_mask).numpy()[mine]
+    other = reference(xt, cfg, w, "zero" if group_mask == "exclude" else "exclude").numpy()
+    scale = np.abs(y_ref).max()
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-5 * scale, err_msg=f"{tag}: forward")
+    # The case where the two differ is in the data (all tokens together).
+    assert np.abs(reference(xt, cfg, w, group_mask).numpy() - other).max() > 1e-2 * scale
 
 
 def test_a_deck_that_contradicts_the_config_is_refused():

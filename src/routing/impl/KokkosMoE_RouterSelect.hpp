@@ -159,16 +159,18 @@ struct RouterSelect {
   KernelSetScore set_mode = KernelSetScore::max;
   bool normalize = false;
   float route_scale = 1.0f;
+  bool zero_masked = false;  ///< group limit: the dropped groups' experts compete with selection value 0
 
   /// Selection value of expert e of a token with scores s (bias holds zeros
   /// when the correction bias is disabled: s + 0 compares equal to s).
   KOKKOS_INLINE_FUNCTION float sel(float const* s, int e) const { return s[e] + bias(e); }
 
-  /// Calls f(e) for every expert the limits leave eligible (any order).
+  /// Calls f(e, v) for every expert the limits leave eligible (any order),
+  /// v its selection value (0 for a dropped group's expert with zero_masked).
   template <class F>
   KOKKOS_INLINE_FUNCTION void for_each_candidate(index_t t, float const* s, F const& f) const {
     if (limit == KernelLimit::none) {
-      for (int e = 0; e < E; ++e) f(e);
+      for (int e = 0; e < E; ++e) f(e, sel(s, e));
     } else if (limit == KernelLimit::groups) {
       float* const gs = &set_scores(t, 0);
       for (int g = 0; g < num_sets; ++g) {
@@ -179,9 +181,18 @@ struct RouterSelect {
       for (int j = 0; j < keep_sets; ++j) kg[j] = -1;
       auto gval = [&](int g) { return gs[g]; };
       for (int g = 0; g < num_sets; ++g) insert_index(kg, keep_sets, g, gval);
+      if (zero_masked) {
+        for (int e = 0; e < E; ++e) {
+          int const g = e / group_size;
+          bool in = false;
+          for (int j = 0; j < keep_sets; ++j) in = in || kg[j] == g;
+          f(e, in ? sel(s, e) : 0.0f);
+        }
+        return;
+      }
       for (int j = 0; j < keep_sets; ++j) {
         int const base = kg[j] * group_size;
-        for (int e = base; e < base + group_size; ++e) f(e);
+        for (int e = base; e < base + group_size; ++e) f(e, sel(s, e));
       }
     } else {
       float* const ds = &set_scores(t, 0);
@@ -198,7 +209,7 @@ struct RouterSelect {
       for (int j = 0; j < keep_sets; ++j) {
         int const d = kd[j];
         if (d < 0) continue;
-        for (int i = domain_offsets(d); i < domain_offsets(d + 1); ++i) f(domain_members(i));
+        for (int i = domain_offsets(d); i < domain_offsets(d + 1); ++i) f(domain_members(i), sel(s, domain_members(i)));
       }
     }
   }
@@ -211,8 +222,7 @@ struct RouterSelect {
       std::uint64_t top[K];
       for (int j = 0; j < K; ++j) top[j] = 0;
       float last = neg_infinity();  // value of top[K - 1] once the list is full
-      for_each_candidate(t, s, [&](int e) {
-        float const v = sel(s, e);
+      for_each_candidate(t, s, [&](int e, float v) {
         if (v < last) return;  // cheap reject; ties and NaN take the exact path
         std::uint64_t const key = select_key(v, e);
         if (key <= top[K - 1]) return;
@@ -229,8 +239,8 @@ struct RouterSelect {
         ts[j] = neg_infinity();
         ti[j] = 0x7FFFFFFF;
       }
-      for_each_candidate(t, s, [&](int e) {
-        float const v = select_value(sel(s, e));
+      for_each_candidate(t, s, [&](int e, float value) {
+        float const v = select_value(value);
         if (!comes_before(v, e, ts[k - 1], ti[k - 1])) return;
         int j = k - 1;
         while (j > 0 && comes_before(v, e, ts[j - 1], ti[j - 1])) {
@@ -394,13 +404,15 @@ struct RouterSelectTeam : RouterSelect<MemorySpace, K> {
         std::uint64_t top[K];
         for (int j = 0; j < K; ++j) top[j] = 0;
         for (int e = l; e < E; e += lanes) {
+          float value = sel(s, e);
           if (kept) {
             int const set = this->limit == KernelLimit::groups ? e / this->group_size : domain_of(e);
             bool in = false;
             for (int j = 0; j < this->keep_sets; ++j) in = in || kept[j] == set;
-            if (!in) continue;
+            if (!in && !this->zero_masked) continue;
+            value = in ? value : 0.0f;
           }
-          std::uint64_t const key = select_key(sel(s, e), e);
+          std::uint64_t const key = select_key(value, e);
           if (key <= top[K - 1]) continue;
           for (int j = K - 1; j > 0; --j) top[j] = key > top[j - 1] ? top[j - 1] : (key > top[j] ? key : top[j]);
           top[0] = key > top[0] ? key : top[0];
