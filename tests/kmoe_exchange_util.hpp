@@ -97,6 +97,17 @@ inline std::vector<int> nodes_vector(KokkosMoE::Topology::Topology const& t) {
   return n;
 }
 
+/// Round-robin placement of `experts` experts over the ranks of
+/// node_of_rank (expert e on rank e mod ranks), plus one replica of expert
+/// `replica` on the last rank.
+inline KokkosMoE::Placement round_robin_with_replica(int experts, int replica, std::vector<int> const& node_of_rank) {
+  int const size = static_cast<int>(node_of_rank.size());
+  std::vector<KokkosMoE::SlotInfo> slots;
+  for (int e = 0; e < experts; ++e) slots.push_back(KokkosMoE::SlotInfo{e, e % size, -1, 0, 0});
+  slots.push_back(KokkosMoE::SlotInfo{replica, size - 1, -1, 0, 0});
+  return KokkosMoE::Placement(experts, size, slots, node_of_rank);
+}
+
 /// Random routings: uniform, every route to rank 0, odd ranks without
 /// tokens, one hot expert (every token's first route).
 enum class Dist { uniform, one_rank, empty_ranks, hot_expert };

@@ -194,10 +194,7 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
     auto topo = nodes_of(rpn);
     auto const nor = nodes_vector(topo);
     // Round-robin experts + replicas of expert 0 on the last rank.
-    std::vector<SlotInfo> slots;
-    for (int e = 0; e < experts; ++e) slots.push_back(SlotInfo{e, e % size, -1, 0, 0});
-    slots.push_back(SlotInfo{0, size - 1, -1, 0, 0});
-    Placement placement(experts, size, slots, nor);
+    auto const placement = round_robin_with_replica(experts, 0, nor);
     std::vector<float> scale;
     for (int e = 0; e < experts; ++e) scale.push_back(1.0f + 0.125f * e);
     std::vector<int> reversed(static_cast<std::size_t>(size));
@@ -664,10 +661,7 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
   auto topo = nodes_of(rpn);
   auto const nor = nodes_vector(topo);
   int const experts = 3 * size + 1;
-  std::vector<SlotInfo> slots;
-  for (int e = 0; e < experts; ++e) slots.push_back(SlotInfo{e, e % size, -1, 0, 0});
-  slots.push_back(SlotInfo{1, size - 1, -1, 0, 0});
-  Placement placement(experts, size, slots, nor);
+  auto const placement = round_robin_with_replica(experts, 1, nor);
   std::vector<float> scale(static_cast<std::size_t>(experts), 1.5f);
   for (Dist dist : {Dist::uniform, Dist::hot_expert}) {
     std::mt19937 rng(55u + static_cast<unsigned>(rank) + 10u * static_cast<unsigned>(dist));

@@ -102,10 +102,7 @@ TEST_CASE("hierarchical_dedup: the documented summation tree bit for bit, the fl
       auto const nor = nodes_vector(topo);
       int const my_node = nor[static_cast<std::size_t>(rank)];
       // Round-robin experts and a replica of expert 0 on the last rank.
-      std::vector<SlotInfo> slots;
-      for (int e = 0; e < experts; ++e) slots.push_back(SlotInfo{e, e % size, -1, 0, 0});
-      slots.push_back(SlotInfo{0, size - 1, -1, 0, 0});
-      Placement placement(experts, size, slots, nor);
+      auto const placement = round_robin_with_replica(experts, 0, nor);
       std::vector<float> scale;
       for (int e = 0; e < experts; ++e) scale.push_back(0.75f + 0.125f * e);
       for (Dist dist : {Dist::uniform, Dist::one_rank, Dist::empty_ranks, Dist::hot_expert}) {
@@ -185,10 +182,7 @@ TEST_CASE("hierarchical_dedup: the planner predicts every measured ledger exactl
   auto topo = nodes_of(rpn);
   auto const nor = nodes_vector(topo);
   int const experts = 3 * size + 1;
-  std::vector<SlotInfo> slots;
-  for (int e = 0; e < experts; ++e) slots.push_back(SlotInfo{e, e % size, -1, 0, 0});
-  slots.push_back(SlotInfo{1, size - 1, -1, 0, 0});
-  Placement placement(experts, size, slots, nor);
+  auto const placement = round_robin_with_replica(experts, 1, nor);
   std::vector<float> scale(static_cast<std::size_t>(experts), 1.5f);
   for (Dist dist : {Dist::uniform, Dist::empty_ranks, Dist::hot_expert}) {
     std::mt19937 rng(77u + static_cast<unsigned>(rank) + 10u * static_cast<unsigned>(dist));
