@@ -152,7 +152,10 @@ void parse_model(Reader& r, LayerDeck& d) {
   try {
     d.model.hf = Checkpoint::hf_moe_layer(d.model.checkpoint, d.model.layer);
   } catch (Error const& e) {
-    r.fail(r.has("model.layer") ? "model.layer" : "model.checkpoint", e.what());
+    // A layer that is out of range or dense is the layer's key; anything else the checkpoint's.
+    std::string const what = e.what();
+    bool const about_layer = what.find("layer " + std::to_string(d.model.layer) + " is") != std::string::npos;
+    r.fail(about_layer ? "model.layer" : "model.checkpoint", what);
   }
   auto const& hf = d.model.hf;
   // Sizes come from config.json; a deck that states one must agree.

@@ -373,7 +373,14 @@ struct ConfigReader {
 }  // namespace
 
 HFMoELayer hf_moe_layer(std::string const& config_path, int layer) {
-  std::string const path = is_directory(config_path) ? join(config_path, "config.json") : config_path;
+  KOKKOSMOE_REQUIRE(exists(config_path), "checkpoint '" << config_path << "' does not exist");
+  // A checkpoint directory, its config.json, or a safetensors / index file next to it.
+  auto const ends_with = [&](std::string const& tail) {
+    return config_path.size() >= tail.size() && config_path.compare(config_path.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  std::string const path = is_directory(config_path) ? join(config_path, "config.json")
+                           : ends_with("config.json") ? config_path
+                                                      : join(parent_of(config_path), "config.json");
   json j;
   try {
     j = json::parse(read_text(path, "model config"));

@@ -135,7 +135,8 @@ struct HFMoELayer {
   std::string expert_prefix, gate_name, up_name, down_name;
 };
 
-/// \brief Reads config.json (the file, or the directory holding it) and
+/// \brief Reads config.json (the file, the directory holding it, or a
+/// safetensors or index file next to it) and
 /// maps its MoE layer `layer`; throws Error naming the file and key when a
 /// key is missing or has the wrong type, the model type is not one of the
 /// families above, or the layer is out of range or dense.
