@@ -268,6 +268,7 @@ std::vector<float> SafetensorsCheckpoint::read_f32(std::string const& name, std:
   std::size_t const n = static_cast<std::size_t>(t.elements());
   std::vector<float> out(n);
   unsigned char const* p = file.data(t);
+  if (n == 0) return out;  // an empty tensor has no bytes (data() may be null)
   if (t.dtype == "F32") {
     std::memcpy(out.data(), p, n * sizeof(float));
   } else if (t.dtype == "BF16") {
