@@ -120,9 +120,12 @@ void parse_run(Reader& r, LayerDeck& d) {
   d.train.gradient_block = static_cast<int>(r.integer("train.gradient_block", 64, 1, big));
   d.train.reproducible_shared = r.boolean("train.reproducible_shared", false);
   d.train.products = r.choice("train.products", "fp32", {"fp32", "bf16"});
+  // gradient_block and reproducible_shared govern every backward (a
+  // training run's, and a layer's backward through the C, Fortran and
+  // Python doors); the other keys only a training run.
   if (d.run.mode != "train")
     for (char const* key : {"train.optimizer", "train.learning_rate", "train.teacher_seed", "train.balance_alpha", "train.teacher_router",
-                            "train.schedule", "train.gradient_block", "train.reproducible_shared", "train.products"})
+                            "train.schedule", "train.products"})
       if (r.has(key)) r.fail(key, "is read only with run.mode = \"train\"");
   if (!chunked && d.run.chunks != 1)
     r.fail("run.chunks", "= " + std::to_string(d.run.chunks) + " needs a chunked schedule (run.schedule is '" + to_string(d.run.schedule) +

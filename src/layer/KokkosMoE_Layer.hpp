@@ -200,6 +200,10 @@ class MoELayer {
   weights_type const& routed_weights() const { return routed_; }
   /// \brief The shared experts' weights (nullptr without shared experts).
   weights_type* shared_weights() { return shared_ ? &*shared_ : nullptr; }
+  weights_type const* shared_weights() const { return shared_ ? &*shared_ : nullptr; }
+  /// \brief The router weight [E, d] (this rank's copy; every rank holds the
+  /// same; write it between forwards, the same on every rank).
+  RowMatrix<T, MemorySpace> const& router_weight() const { return router_weight_; }
   Router<MemorySpace>& router() { return router_; }
   Topology::CommunicatorSet const& communicators() const { return *comms_; }
 

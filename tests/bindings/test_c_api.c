@@ -153,6 +153,63 @@ int main(int argc, char** argv) {
     free(dx);
   }
 
+  /* Parameters and gradients by name and global expert id. */
+  {
+    int32_t count = -1, nd = 0;
+    int64_t shp[2] = {0, 0};
+    EXPECT_STATUS(kmoe_layer_parameter_info(layer, KMOE_EXPERT_DOWN, &count, &nd, shp), KMOE_SUCCESS, "");
+    EXPECT(count == 4 * size && nd == 2 && shp[0] == 32 && shp[1] > 0, "expert_down: one tensor per expert, [hidden][ffn]");
+    EXPECT(strcmp(kmoe_parameter_name(KMOE_SHARED_UP), "shared_up") == 0, "parameter names");
+    int64_t const n = shp[0] * shp[1];
+    float* v = (float*)malloc(sizeof(float) * (size_t)n);
+    float* g = (float*)malloc(sizeof(float) * (size_t)n);
+    int32_t nl = 0, local[64];
+    EXPECT_STATUS(kmoe_layer_local_experts(layer, local, 64, &nl), KMOE_SUCCESS, "");
+    EXPECT(nl == 4, "four local experts");
+    int32_t const e = 4 * size - 1;
+    int q_of_e = -1;
+    for (int q = 0; q < nl; ++q)
+      if (local[q] == e) q_of_e = q;
+    EXPECT_STATUS(kmoe_layer_get_parameter(layer, KMOE_EXPERT_DOWN, e, v, n), KMOE_SUCCESS, "");
+    void* data = NULL;
+    int32_t snd = 0;
+    int64_t ss[3] = {0, 0, 0};
+    kmoe_dtype sdt = KMOE_BF16;
+    kmoe_memory smem = KMOE_DEVICE;
+    EXPECT_STATUS(kmoe_layer_parameter_storage(layer, KMOE_EXPERT_DOWN, &data, &snd, ss, &sdt, &smem), KMOE_SUCCESS, "");
+    EXPECT(snd == 3 && ss[0] == nl && ss[1] * ss[2] == n && sdt == KMOE_FP32 && smem == KMOE_HOST, "expert_down storage");
+    if (q_of_e >= 0) EXPECT(memcmp((float*)data + q_of_e * n, v, sizeof(float) * (size_t)n) == 0, "the owner's storage is the expert");
+    for (int64_t i = 0; i < n; ++i) v[i] *= 2.0f;
+    EXPECT_STATUS(kmoe_layer_set_parameter(layer, KMOE_EXPERT_DOWN, e, q_of_e >= 0 ? v : NULL, q_of_e >= 0 ? n : 0), KMOE_SUCCESS, "");
+    EXPECT_STATUS(kmoe_layer_get_parameter(layer, KMOE_EXPERT_DOWN, e, g, n), KMOE_SUCCESS, "");
+    EXPECT(memcmp(g, v, sizeof(float) * (size_t)n) == 0, "set then get: the same values on every rank");
+    if (q_of_e >= 0) EXPECT(memcmp((float*)data + q_of_e * n, v, sizeof(float) * (size_t)n) == 0, "set writes the storage");
+    EXPECT_STATUS(kmoe_layer_set_parameter(layer, (kmoe_parameter)9, 0, v, n), KMOE_ERROR_INVALID_ARGUMENT, "is not a kmoe_parameter");
+    EXPECT_STATUS(kmoe_layer_get_parameter(layer, KMOE_EXPERT_DOWN, 4 * size, v, n), KMOE_ERROR_INVALID_ARGUMENT, "is outside 0..");
+    EXPECT_STATUS(kmoe_layer_get_parameter(layer, KMOE_EXPERT_DOWN, e, v, n - 1), KMOE_ERROR_INVALID_ARGUMENT, "count is");
+    EXPECT_STATUS(kmoe_layer_get_gradient(layer, KMOE_CORRECTION_BIAS, 0, v, 4 * size), KMOE_ERROR_INVALID_ARGUMENT, "no correction bias");
+    /* A non-finite router weight on one rank: refused on every rank, nothing written. */
+    float* r = (float*)malloc(sizeof(float) * 4 * (size_t)size * 32);
+    float* r2 = (float*)malloc(sizeof(float) * 4 * (size_t)size * 32);
+    EXPECT_STATUS(kmoe_layer_get_parameter(layer, KMOE_ROUTER_WEIGHT, 0, r, 4 * size * 32), KMOE_SUCCESS, "");
+    float const keep = r[5];
+    if (rank == 0) r[5] = NAN;
+    EXPECT_STATUS(kmoe_layer_set_parameter(layer, KMOE_ROUTER_WEIGHT, 0, r, 4 * size * 32), KMOE_ERROR_INVALID_ARGUMENT, "value 5 is nan");
+    EXPECT_STATUS(kmoe_layer_get_parameter(layer, KMOE_ROUTER_WEIGHT, 0, r2, 4 * size * 32), KMOE_SUCCESS, "");
+    EXPECT(r2[5] == keep, "a refused set changes nothing");
+    free(r);
+    free(r2);
+    /* The gradient of the last backward: the owner's storage, on every rank. */
+    EXPECT_STATUS(kmoe_layer_get_gradient(layer, KMOE_EXPERT_DOWN, e, g, n), KMOE_SUCCESS, "");
+    float* gd = NULL;
+    EXPECT_STATUS(kmoe_layer_gradient_storage(layer, KMOE_EXPERT_DOWN, &gd, &snd, ss, &smem), KMOE_SUCCESS, "");
+    if (q_of_e >= 0) EXPECT(memcmp(gd + q_of_e * n, g, sizeof(float) * (size_t)n) == 0, "get_gradient is the owner's gradient");
+    EXPECT_STATUS(kmoe_layer_gradient_storage(layer, KMOE_CORRECTION_BIAS, &gd, &snd, ss, &smem), KMOE_ERROR_INVALID_ARGUMENT,
+                  "has no gradient");
+    free(v);
+    free(g);
+  }
+
   /* JSON and placement queries. */
   EXPECT_STATUS(kmoe_layer_forward(layer, x, 16, 32, KMOE_FP32, KMOE_HOST, y), KMOE_SUCCESS, "");
   size_t needed = 0;

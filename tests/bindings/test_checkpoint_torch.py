@@ -169,13 +169,17 @@ def reference(x, cfg, w, group_mask="exclude"):
     reference code) or zeroed (0.0, Hugging Face transformers)."""
     family = cfg["model_type"]
     dt = torch.float64
-    W = torch.tensor(w["router"], dtype=dt)
+
+    def _t(a):  # a weight: a torch tensor as it is (a leaf that wants gradients), or an array
+        return a if torch.is_tensor(a) else torch.tensor(a, dtype=dt)
+
+    W = _t(w["router"])
     logits = x @ W.T
     k = cfg["num_experts_per_tok"]
     E = W.shape[0]
     if family == "deepseek_v3":
         s = torch.sigmoid(logits)
-        sel = s + torch.tensor(w["bias"], dtype=dt)  # the bias chooses, it does not weigh
+        sel = s + _t(w["bias"])  # the bias chooses, it does not weigh
         G, kg = cfg["n_group"], cfg["topk_group"]
         group_scores = sel.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_scores.topk(kg, dim=-1).indices, True)
@@ -194,7 +198,7 @@ def reference(x, cfg, w, group_mask="exclude"):
             gates = gates / gates.sum(-1, keepdim=True)
 
     def swiglu(h, mats):
-        g, u, dn = (torch.tensor(m, dtype=dt) for m in mats)
+        g, u, dn = (_t(m) for m in mats)
         return (torch.nn.functional.silu(h @ g.T) * (h @ u.T)) @ dn.T
 
     y = torch.zeros_like(x)
@@ -206,7 +210,7 @@ def reference(x, cfg, w, group_mask="exclude"):
     return y
 
 
-def deck(path, checkpoint, layer, algorithm, nodes, group_mask="exclude"):
+def deck(path, checkpoint, layer, algorithm, nodes, group_mask="exclude", tokens=TOKENS, extra="", router=""):
     text = f"""
 [run]
 steps = 1
@@ -222,9 +226,10 @@ return_payload = "fp32"
 
 [router]
 group_mask = "{group_mask}"
+{router}
 
 [tokens]
-per_rank = {TOKENS}
+per_rank = {tokens}
 source = "router"
 
 [topology]
@@ -236,6 +241,7 @@ algorithm = "{algorithm}"
 
 [experts]
 runner = "grouped"
+{extra}
 """
     with open(path, "w") as f:
         f.write(text)

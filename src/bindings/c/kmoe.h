@@ -142,13 +142,16 @@ kmoe_status kmoe_layer_forward(kmoe_layer* layer, const void* hidden, int64_t to
  *  the same rows `hidden`: dx[tokens][hidden] = the gradient of the
  *  objective with respect to hidden, given dout (its gradient with respect
  *  to the forward's output). The parameter gradients are kept in the layer
- *  (kmoe_layer_gradient_norm). fp32 layers. */
+ *  (kmoe_layer_get_gradient, kmoe_layer_gradient_storage,
+ *  kmoe_layer_gradient_norm); a replicated expert's copies each hold the
+ *  sum over all of them. The deck's [train] gradient_block and
+ *  reproducible_shared apply. fp32 layers. */
 kmoe_status kmoe_layer_backward(kmoe_layer* layer, const void* hidden, const void* dout, int64_t tokens, int64_t hidden_dim,
                                 kmoe_dtype dtype, kmoe_memory memory, void* dx);
 
 /** Collective: the L2 norm of the parameter gradients of the last backward
- *  (router, shared experts, this group's routed experts; the same on every
- *  rank). */
+ *  (router, shared experts, every routed expert once however many copies
+ *  it has; the same on every rank). */
 kmoe_status kmoe_layer_gradient_norm(kmoe_layer* layer, double* norm);
 
 /** This rank's rows of step `step` of the layer's deck ([tokens] source and
@@ -177,6 +180,77 @@ kmoe_status kmoe_layer_topology_json(const kmoe_layer* layer, char* buffer, size
  *  of `capacity` entries); num_slots gets the slot count. */
 kmoe_status kmoe_layer_placement(const kmoe_layer* layer, int32_t* slot_expert, int32_t* slot_rank, int32_t capacity,
                                  int32_t* num_slots);
+
+/* ---- parameters and gradients --------------------------------------------- */
+
+/** A layer's parameter tensors (one tensor per index):
+ *    KMOE_ROUTER_WEIGHT    index 0                  [experts][hidden]
+ *    KMOE_CORRECTION_BIAS  index 0                  [experts]   (routers with a correction bias)
+ *    KMOE_EXPERT_GATE/UP   global expert id         [ffn][hidden]
+ *    KMOE_EXPERT_DOWN      global expert id         [hidden][ffn]
+ *    KMOE_SHARED_GATE/UP   shared expert index      [shared ffn][hidden]
+ *    KMOE_SHARED_DOWN      shared expert index      [hidden][shared ffn]
+ *  Row-major fp32 values; a bf16 layer rounds what it is given to bf16. */
+typedef enum kmoe_parameter {
+  KMOE_ROUTER_WEIGHT = 0,
+  KMOE_CORRECTION_BIAS = 1,
+  KMOE_EXPERT_GATE = 2,
+  KMOE_EXPERT_UP = 3,
+  KMOE_EXPERT_DOWN = 4,
+  KMOE_SHARED_GATE = 5,
+  KMOE_SHARED_UP = 6,
+  KMOE_SHARED_DOWN = 7
+} kmoe_parameter;
+
+/** The name of a parameter ("router_weight", "expert_gate", ...; "" for none). */
+const char* kmoe_parameter_name(kmoe_parameter parameter);
+
+/** How many tensors `parameter` has (count: 1, the experts, the shared
+ *  experts, or 0 where the layer has none) and the shape of one (ndim 1 or
+ *  2, shape[0..ndim-1]); any pointer may be NULL. */
+kmoe_status kmoe_layer_parameter_info(const kmoe_layer* layer, kmoe_parameter parameter, int32_t* count, int32_t* ndim,
+                                      int64_t shape[2]);
+
+/** Collective: tensor `index` of `parameter` into values[count] (count: its
+ *  elements), the same on every rank. A routed expert comes from the lowest
+ *  rank that holds a copy. */
+kmoe_status kmoe_layer_get_parameter(kmoe_layer* layer, kmoe_parameter parameter, int32_t index, float* values, int64_t count);
+
+/** Collective: sets tensor `index` of `parameter` from values[count].
+ *  Router weight, correction bias, shared experts: every rank passes the
+ *  same values. A routed expert: every rank holding a copy of it passes the
+ *  same values (all its copies are written); the other ranks may pass NULL
+ *  and 0. Values must be finite. On any error nothing changes on any rank. */
+kmoe_status kmoe_layer_set_parameter(kmoe_layer* layer, kmoe_parameter parameter, int32_t index, const float* values,
+                                     int64_t count);
+
+/** Collective: the gradient of tensor `index` of `parameter` from the last
+ *  backward, the same on every rank: the router weight's and the shared
+ *  experts' summed over the ranks, a routed expert's summed over its
+ *  replicas. The correction bias has none. */
+kmoe_status kmoe_layer_get_gradient(kmoe_layer* layer, kmoe_parameter parameter, int32_t index, float* values, int64_t count);
+
+/** This rank's storage of `parameter`, in place (no copy): the router weight
+ *  [experts][hidden] and correction bias [experts] (every rank's own copy),
+ *  this rank's routed expert slots [slots][rows][cols] (slot q holds global
+ *  expert kmoe_layer_local_experts()[q]), the shared experts
+ *  [shared][rows][cols]. Elements of `dtype` (the layer's; bias: fp32) in
+ *  `memory`. Writes through it are the layer's weights from the next
+ *  forward on; keep every copy of a tensor the same on every rank. Valid
+ *  until the layer is destroyed. */
+kmoe_status kmoe_layer_parameter_storage(kmoe_layer* layer, kmoe_parameter parameter, void** data, int32_t* ndim, int64_t shape[3],
+                                         kmoe_dtype* dtype, kmoe_memory* memory);
+
+/** This rank's fp32 gradient storage of `parameter` (fp32 layers), laid out
+ *  as kmoe_layer_parameter_storage's, filled by each backward (routed slots:
+ *  their expert's total over replicas; router and shared experts: summed
+ *  over the ranks). Valid until the layer is destroyed. */
+kmoe_status kmoe_layer_gradient_storage(kmoe_layer* layer, kmoe_parameter parameter, float** data, int32_t* ndim, int64_t shape[3],
+                                        kmoe_memory* memory);
+
+/** The global expert id of each of this rank's routed slots (experts[count];
+ *  experts NULL: count only). */
+kmoe_status kmoe_layer_local_experts(const kmoe_layer* layer, int32_t* experts, int32_t capacity, int32_t* count);
 
 /* ---- placement ----------------------------------------------------------- */
 

@@ -10,7 +10,9 @@
 #include <KokkosMoE_Deck.hpp>
 #include <KokkosMoE_Digest.hpp>
 #include <KokkosMoE_Eplb.hpp>
+#include <KokkosMoE_Experts_ReplicaGradients.hpp>
 #include <KokkosMoE_Layer.hpp>
+#include <KokkosMoE_LayerParameters.hpp>
 #include <KokkosMoE_LayerSetup.hpp>
 #include <KokkosMoE_Report.hpp>
 #include <KokkosMoE_Version.hpp>
@@ -169,8 +171,10 @@ struct kmoe_layer {
   std::unique_ptr<MoELayer<bf16_t, Exec, MS>> bf16;
   StepRecord last;
   bool has_last = false;
-  LayerGradients<MS> grads;  ///< of the last backward (fp32 layers)
+  LayerGradients<MS> grads;  ///< of the last backward (fp32 layers; allocated with the layer, so their storage stays put)
   bool has_grads = false;
+  Experts::ReplicaGradients replicas;  ///< sums a replicated expert's gradients over its copies
+  Workspace<MS> replica_work{"kmoe::replicas"};
   Workspace<MS> staging{"kmoe::staging"};  ///< device rows of host arrays (device builds)
 
   kmoe_dtype dtype() const { return bf16 ? KMOE_BF16 : KMOE_FP32; }
@@ -209,10 +213,16 @@ kmoe_status create(LayerDeck deck, MPI_Comm comm, kmoe_layer** out) {
           layer->run.config, *layer->run.comms, layer->run.placement, Setup::router_weight<float, MS>(d),
           Setup::routed_weights<float, MS>(exec, d, layer->run, rank, layer->comm), Setup::shared_weights<float, MS>(exec, d));
       Setup::load_correction_bias(exec, d, layer->fp32->router());
+      auto& l = *layer->fp32;
+      layer->grads.routed = Experts::ExpertGradients<MS>(l.routed_weights());
+      if (auto const* s = l.shared_weights(); s && s->num_slots() > 0) layer->grads.shared = Experts::ExpertGradients<MS>(*s);
+      layer->grads.router = Kokkos::View<float**, Kokkos::LayoutRight, MS>("kmoe::router_grad", d.model.experts, d.model.hidden);
+      layer->replicas = Experts::ReplicaGradients(layer->run.comms->ep().comm(), layer->run.placement, d.exchange.watchdog_seconds);
     }
   });
   if (st != KMOE_SUCCESS) {
     std::string const message = last_error;
+    layer->replicas = Experts::ReplicaGradients();
     layer->fp32.reset();
     layer->bf16.reset();
     layer->run = Setup::Run();
@@ -457,7 +467,11 @@ kmoe_status kmoe_layer_backward(kmoe_layer* layer, const void* hidden, const voi
     auto h = caller_rows_in<float>(layer->staging, hidden, tokens, d, memory, "hidden");
     auto g = caller_rows_in<float>(layer->staging, dout, tokens, d, memory, "dout");
     auto x = caller_rows_out<float>(layer->staging, dx, tokens, d, memory, "dx");
-    layer->fp32->backward(exec, h, g, x, layer->grads);
+    LayerBackwardOptions options;
+    options.gradient_block = layer->deck.train.gradient_block;
+    options.reproducible_shared = layer->deck.train.reproducible_shared;
+    layer->fp32->backward(exec, h, g, x, layer->grads, options);
+    layer->replicas.reduce(exec, layer->grads.routed, layer->run.placement.generation(), &layer->replica_work);
     layer->has_grads = true;
     caller_rows_out_done(x, dx, memory);
     Compat::fence(exec, "kmoe_layer_backward");
@@ -479,9 +493,15 @@ kmoe_status kmoe_layer_gradient_norm(kmoe_layer* layer, double* norm) {
       return s;
     };
     auto const& g = layer->grads;
-    // Routed slots on every rank (each copy counted; replicas hold partial
-    // sums until reduced); router and shared experts (the same on every rank) once.
-    double local = sq(g.routed.gate) + sq(g.routed.up) + sq(g.routed.down);
+    // Routed slots on every rank, each expert once (every copy holds its
+    // total); router and shared experts (the same on every rank) once.
+    auto const& p = layer->run.placement;
+    auto const& mine = p.slots_of_rank(layer->run.comms->global_rank());
+    auto sq_slot = [&](auto const& v, std::size_t q) { return sq(Kokkos::subview(v, q, Kokkos::ALL, Kokkos::ALL)); };
+    double local = 0.0;
+    for (std::size_t q = 0; q < mine.size(); ++q)
+      local += (sq_slot(g.routed.gate, q) + sq_slot(g.routed.up, q) + sq_slot(g.routed.down, q)) /
+               p.logcnt()[static_cast<std::size_t>(p.slot(mine[q]).expert)];
     if (layer->rank() == 0) {
       local += sq(g.router);
       if (g.shared.num_slots() > 0) local += sq(g.shared.gate) + sq(g.shared.up) + sq(g.shared.down);
@@ -679,6 +699,217 @@ kmoe_status kmoe_eplb(const double* loads, int32_t num_experts, int32_t num_slot
       slot_expert[s] = lp.placement.slot(s).expert;
       slot_rank[s] = lp.placement.slot(s).rank;
     }
+  });
+}
+
+}  // extern "C"
+
+namespace {
+
+/// The element count a caller's array must have for one tensor of p.
+template <class L>
+std::string count_problem(L const& l, Parameter p, int64_t count, float const* values, char const* call, bool may_be_empty) {
+  std::size_t const n = parameter_elements(l, p);
+  if (may_be_empty && values == nullptr && count == 0) return {};
+  if (values == nullptr) return std::string(call) + ": values is NULL";
+  if (count < 0 || static_cast<std::size_t>(count) != n)
+    return std::string(call) + ": " + parameter_name(p) + " tensors have " + std::to_string(n) + " elements, count is " + std::to_string(count);
+  return {};
+}
+
+/// What is wrong with a C caller's parameter ("" for nothing).
+std::string parameter_problem(int raw_parameter, char const* call) {
+  if (raw_parameter < 0 || raw_parameter >= static_cast<int>(all_parameters().size()))
+    return std::string(call) + ": parameter " + std::to_string(raw_parameter) + " is not a kmoe_parameter";
+  return {};
+}
+
+/// The parameter a C caller named, checked.
+Parameter parameter_of(int raw_parameter, char const* call) {
+  std::string const problem = parameter_problem(raw_parameter, call);
+  if (!problem.empty()) fail(KMOE_ERROR_INVALID_ARGUMENT, problem);
+  return all_parameters()[static_cast<std::size_t>(raw_parameter)];
+}
+
+/// The argument problem of a collective parameter call: the parameter, the
+/// index, and (values given) the element count.
+template <class L>
+std::string parameter_call_problem(L const& l, int raw_parameter, int32_t index, int64_t count, float const* values, char const* call,
+                                   bool may_be_empty) {
+  std::string problem = parameter_problem(raw_parameter, call);
+  if (problem.empty()) problem = Impl::parameter_index_problem(l, parameter_of(raw_parameter, call), index, call);
+  if (problem.empty()) problem = count_problem(l, parameter_of(raw_parameter, call), count, values, call, may_be_empty);
+  return problem;
+}
+
+/// The layer's storage of p on this rank: data, extents.
+template <class L>
+std::pair<void*, std::vector<int64_t>> storage_of(L& l, Parameter p) {
+  using Tw = typename L::value_type;
+  auto view3 = [](auto const& v) -> std::pair<void*, std::vector<int64_t>> {
+    return {static_cast<void*>(v.data()), {static_cast<int64_t>(v.extent(0)), static_cast<int64_t>(v.extent(1)), static_cast<int64_t>(v.extent(2))}};
+  };
+  if (p == Parameter::router_weight) {
+    auto const& w = l.router_weight();
+    return {static_cast<void*>(const_cast<Tw*>(w.data())), {static_cast<int64_t>(w.extent(0)), static_cast<int64_t>(w.extent(1))}};
+  }
+  if (p == Parameter::correction_bias) {
+    auto const& b = l.router().correction_bias();
+    return {static_cast<void*>(b.data()), {static_cast<int64_t>(b.extent(0))}};
+  }
+  if (p == Parameter::shared_gate || p == Parameter::shared_up || p == Parameter::shared_down) {
+    auto* s = l.shared_weights();
+    if (!s || s->num_slots() == 0) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_parameter_storage: the layer has no shared experts");
+    return view3(Impl::family_tensor(*s, p));
+  }
+  return view3(Impl::family_tensor(l.routed_weights(), p));
+}
+
+void write_shape(std::vector<int64_t> const& dims, int32_t* ndim, int64_t* shape) {
+  if (ndim) *ndim = static_cast<int32_t>(dims.size());
+  if (shape)
+    for (std::size_t i = 0; i < dims.size(); ++i) shape[i] = dims[i];
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kmoe_parameter_name(kmoe_parameter parameter) {
+  int const p = raw(parameter);
+  if (p < 0 || p >= static_cast<int>(all_parameters().size())) return "";
+  return parameter_name(all_parameters()[static_cast<std::size_t>(p)]);
+}
+
+kmoe_status kmoe_layer_parameter_info(const kmoe_layer* layer, kmoe_parameter parameter, int32_t* count, int32_t* ndim, int64_t shape[2]) {
+  int const rp = raw(parameter);
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_parameter_info");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_parameter_info: layer is NULL");
+    Parameter const p = parameter_of(rp, "kmoe_layer_parameter_info");
+    const_cast<kmoe_layer*>(layer)->visit([&](auto& l) {
+      if (count) *count = parameter_count(l, p);
+      write_shape(parameter_shape(l, p), ndim, shape);
+    });
+  });
+}
+
+kmoe_status kmoe_layer_get_parameter(kmoe_layer* layer, kmoe_parameter parameter, int32_t index, float* values, int64_t count) {
+  int const rp = raw(parameter);
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_get_parameter");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_get_parameter: layer is NULL");
+    std::string problem;
+    layer->visit([&](auto& l) { problem = parameter_call_problem(l, rp, index, count, values, "kmoe_layer_get_parameter", false); });
+    if (!problem.empty()) problem += " (rank " + std::to_string(layer->rank()) + ")";
+    agree_arguments(layer->comm, problem, "kmoe_layer_get_parameter arguments", layer->watchdog());
+    layer->visit([&](auto& l) {
+      auto const v = get_parameter(Exec(), l, parameter_of(rp, ""), index);
+      std::memcpy(values, v.data(), v.size() * sizeof(float));
+    });
+  });
+}
+
+kmoe_status kmoe_layer_set_parameter(kmoe_layer* layer, kmoe_parameter parameter, int32_t index, const float* values, int64_t count) {
+  int const rp = raw(parameter);
+  return guarded(KMOE_ERROR_INPUT, [&] {
+    require_initialized("kmoe_layer_set_parameter");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_set_parameter: layer is NULL");
+    std::string problem = parameter_problem(rp, "kmoe_layer_set_parameter");
+    if (problem.empty())
+      layer->visit([&](auto& l) { problem = Impl::parameter_index_problem(l, parameter_of(rp, ""), index, "kmoe_layer_set_parameter"); });
+    if (problem.empty() && count < 0) problem = "kmoe_layer_set_parameter: count " + std::to_string(count) + " is negative";
+    if (!problem.empty()) problem += " (rank " + std::to_string(layer->rank()) + ")";
+    agree_arguments(layer->comm, problem, "kmoe_layer_set_parameter arguments", layer->watchdog());
+    try {
+      layer->visit([&](auto& l) { set_parameter(Exec(), l, parameter_of(rp, ""), index, values, static_cast<std::size_t>(count)); });
+    } catch (std::exception const& e) {
+      fail(KMOE_ERROR_INVALID_ARGUMENT, e.what());
+    }
+  });
+}
+
+kmoe_status kmoe_layer_get_gradient(kmoe_layer* layer, kmoe_parameter parameter, int32_t index, float* values, int64_t count) {
+  int const rp = raw(parameter);
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_get_gradient");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_get_gradient: layer is NULL");
+    std::string problem = parameter_problem(rp, "kmoe_layer_get_gradient");
+    if (problem.empty() && !layer->fp32) problem = "kmoe_layer_get_gradient: the layer computes in bf16 and has no backward";
+    else if (problem.empty() && !layer->has_grads) problem = "kmoe_layer_get_gradient: the layer has not run a backward yet";
+    if (problem.empty()) problem = parameter_call_problem(*layer->fp32, rp, index, count, values, "kmoe_layer_get_gradient", false);
+    if (problem.empty() && rp == KMOE_CORRECTION_BIAS)
+      problem = "kmoe_layer_get_gradient: the correction bias has no gradient (it only selects experts)";
+    if (!problem.empty()) problem += " (rank " + std::to_string(layer->rank()) + ")";
+    agree_arguments(layer->comm, problem, "kmoe_layer_get_gradient arguments", layer->watchdog());
+    try {
+      auto const v = get_gradient(Exec(), *layer->fp32, layer->grads, parameter_of(rp, ""), index, ReplicaSums::reduced);
+      std::memcpy(values, v.data(), v.size() * sizeof(float));
+    } catch (CollectiveError const& e) {
+      fail(KMOE_ERROR_INVALID_ARGUMENT, e.what());
+    }
+  });
+}
+
+kmoe_status kmoe_layer_parameter_storage(kmoe_layer* layer, kmoe_parameter parameter, void** data, int32_t* ndim, int64_t shape[3],
+                                         kmoe_dtype* dtype, kmoe_memory* memory) {
+  int const rp = raw(parameter);
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_parameter_storage");
+    if (!layer || !data) fail(KMOE_ERROR_INVALID_ARGUMENT, std::string("kmoe_layer_parameter_storage: ") + (!layer ? "layer" : "data") + " is NULL");
+    Parameter const p = parameter_of(rp, "kmoe_layer_parameter_storage");
+    if (p == Parameter::correction_bias && !layer->run.config.router.use_correction_bias)
+      fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_parameter_storage: the layer's router has no correction bias (router.correction_bias = false)");
+    layer->visit([&](auto& l) {
+      auto const s = storage_of(l, p);
+      *data = s.first;
+      write_shape(s.second, ndim, shape);
+    });
+    if (dtype) *dtype = p == Parameter::correction_bias ? KMOE_FP32 : layer->dtype();
+    if (memory) *memory = host_space ? KMOE_HOST : KMOE_DEVICE;
+  });
+}
+
+kmoe_status kmoe_layer_gradient_storage(kmoe_layer* layer, kmoe_parameter parameter, float** data, int32_t* ndim, int64_t shape[3],
+                                        kmoe_memory* memory) {
+  int const rp = raw(parameter);
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_gradient_storage");
+    if (!layer || !data) fail(KMOE_ERROR_INVALID_ARGUMENT, std::string("kmoe_layer_gradient_storage: ") + (!layer ? "layer" : "data") + " is NULL");
+    Parameter const p = parameter_of(rp, "kmoe_layer_gradient_storage");
+    if (!layer->fp32) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_gradient_storage: the layer computes in bf16 and has no backward");
+    if (p == Parameter::correction_bias)
+      fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_gradient_storage: the correction bias has no gradient (it only selects experts)");
+    auto const& g = layer->grads;
+    auto view3 = [&](auto const& v) {
+      *data = v.data();
+      write_shape({static_cast<int64_t>(v.extent(0)), static_cast<int64_t>(v.extent(1)), static_cast<int64_t>(v.extent(2))}, ndim, shape);
+    };
+    if (p == Parameter::router_weight) {
+      *data = g.router.data();
+      write_shape({static_cast<int64_t>(g.router.extent(0)), static_cast<int64_t>(g.router.extent(1))}, ndim, shape);
+    } else if (p == Parameter::shared_gate || p == Parameter::shared_up || p == Parameter::shared_down) {
+      if (g.shared.num_slots() == 0) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_gradient_storage: the layer has no shared experts");
+      view3(Impl::gradient_tensor(g.shared, p));
+    } else {
+      view3(Impl::gradient_tensor(g.routed, p));
+    }
+    if (memory) *memory = host_space ? KMOE_HOST : KMOE_DEVICE;
+  });
+}
+
+kmoe_status kmoe_layer_local_experts(const kmoe_layer* layer, int32_t* experts, int32_t capacity, int32_t* count) {
+  return guarded(KMOE_ERROR_RUNTIME, [&] {
+    require_initialized("kmoe_layer_local_experts");
+    if (!layer) fail(KMOE_ERROR_INVALID_ARGUMENT, "kmoe_layer_local_experts: layer is NULL");
+    auto const& p = layer->run.placement;
+    auto const& mine = p.slots_of_rank(layer->run.comms->global_rank());
+    int const n = static_cast<int>(mine.size());
+    if (count) *count = n;
+    if (!experts) return;
+    if (capacity < n)
+      fail(KMOE_ERROR_BUFFER_TOO_SMALL, "kmoe_layer_local_experts: an array of " + std::to_string(capacity) + " entries for " + std::to_string(n) + " slots");
+    for (int q = 0; q < n; ++q) experts[q] = p.slot(mine[static_cast<std::size_t>(q)]).expert;
   });
 }
 

@@ -28,6 +28,12 @@ module kokkosmoe
   integer(c_int), parameter, public :: kmoe_error_buffer_too_small = 6
   integer(c_int), parameter, public :: kmoe_fp32 = 0, kmoe_bf16 = 1
   integer(c_int), parameter, public :: kmoe_host = 0, kmoe_device = 1
+  !> Parameters (kmoe_parameter): one tensor per index. A row-major C tensor
+  !> [rows][cols] is the Fortran array (cols, rows): router_weight(d, E),
+  !> expert_gate(d, f) of expert e, expert_down(f, d), correction_bias(E).
+  integer(c_int), parameter, public :: kmoe_router_weight = 0, kmoe_correction_bias = 1
+  integer(c_int), parameter, public :: kmoe_expert_gate = 2, kmoe_expert_up = 3, kmoe_expert_down = 4
+  integer(c_int), parameter, public :: kmoe_shared_gate = 5, kmoe_shared_up = 6, kmoe_shared_down = 7
 
   !> A layer (the C handle).
   type, public :: kmoe_layer
@@ -38,6 +44,8 @@ module kokkosmoe
   public :: kmoe_layer_create_from_deck, kmoe_layer_destroy, kmoe_layer_shape, kmoe_layer_forward
   public :: kmoe_layer_deck_rows, kmoe_layer_digest, kmoe_layer_save_weights, kmoe_layer_load_weights
   public :: kmoe_layer_last_step, kmoe_eplb
+  public :: kmoe_layer_backward, kmoe_layer_parameter_count, kmoe_layer_get_parameter, kmoe_layer_set_parameter
+  public :: kmoe_layer_get_gradient, kmoe_layer_local_experts
 
   !> What the last forward of a layer did on this rank (kmoe_step_summary).
   type, bind(C), public :: kmoe_step_summary
@@ -54,6 +62,21 @@ module kokkosmoe
   interface kmoe_layer_forward
     module procedure forward_fp32, forward_bf16
   end interface kmoe_layer_forward
+
+  !> Collective: tensor `index` of a parameter (0-based: a global expert id,
+  !> a shared expert), into an fp32 array of its elements (rank 1 or 2).
+  interface kmoe_layer_get_parameter
+    module procedure get_parameter_1, get_parameter_2
+  end interface kmoe_layer_get_parameter
+  !> Collective: sets it (every rank holding a copy passes the same values;
+  !> the others may pass an array of size 0 for a routed expert).
+  interface kmoe_layer_set_parameter
+    module procedure set_parameter_1, set_parameter_2
+  end interface kmoe_layer_set_parameter
+  !> Collective: its gradient from the last backward.
+  interface kmoe_layer_get_gradient
+    module procedure get_gradient_1, get_gradient_2
+  end interface kmoe_layer_get_gradient
 
   interface
     integer(c_int) function c_initialize(argc, argv) bind(C, name="kmoe_initialize")
@@ -141,6 +164,52 @@ module kokkosmoe
       real(c_double), dimension(*), intent(in) :: loads
       integer(c_int32_t), value :: num_experts, num_slots, num_ranks, num_nodes, groups
       integer(c_int32_t), dimension(*), intent(out) :: slot_expert, slot_rank
+    end function
+    integer(c_int) function c_layer_backward(layer, hidden, dout, tokens, hidden_dim, dtype, memory, dx) &
+        bind(C, name="kmoe_layer_backward")
+      import :: c_int, c_ptr, c_int64_t
+      type(c_ptr), value :: layer, hidden, dout, dx
+      integer(c_int64_t), value :: tokens, hidden_dim
+      integer(c_int), value :: dtype, memory
+    end function
+    integer(c_int) function c_layer_parameter_info(layer, parameter, count, ndim, shape) &
+        bind(C, name="kmoe_layer_parameter_info")
+      import :: c_int, c_ptr, c_int32_t, c_int64_t
+      type(c_ptr), value :: layer
+      integer(c_int), value :: parameter
+      integer(c_int32_t), intent(out) :: count, ndim
+      integer(c_int64_t), intent(out) :: shape(2)
+    end function
+    integer(c_int) function c_layer_get_parameter(layer, parameter, index, values, count) &
+        bind(C, name="kmoe_layer_get_parameter")
+      import :: c_int, c_ptr, c_int32_t, c_int64_t
+      type(c_ptr), value :: layer, values
+      integer(c_int), value :: parameter
+      integer(c_int32_t), value :: index
+      integer(c_int64_t), value :: count
+    end function
+    integer(c_int) function c_layer_set_parameter(layer, parameter, index, values, count) &
+        bind(C, name="kmoe_layer_set_parameter")
+      import :: c_int, c_ptr, c_int32_t, c_int64_t
+      type(c_ptr), value :: layer, values
+      integer(c_int), value :: parameter
+      integer(c_int32_t), value :: index
+      integer(c_int64_t), value :: count
+    end function
+    integer(c_int) function c_layer_get_gradient(layer, parameter, index, values, count) &
+        bind(C, name="kmoe_layer_get_gradient")
+      import :: c_int, c_ptr, c_int32_t, c_int64_t
+      type(c_ptr), value :: layer, values
+      integer(c_int), value :: parameter
+      integer(c_int32_t), value :: index
+      integer(c_int64_t), value :: count
+    end function
+    integer(c_int) function c_layer_local_experts(layer, experts, capacity, count) &
+        bind(C, name="kmoe_layer_local_experts")
+      import :: c_int, c_ptr, c_int32_t
+      type(c_ptr), value :: layer, experts
+      integer(c_int32_t), value :: capacity
+      integer(c_int32_t), intent(out) :: count
     end function
     integer(c_int) function c_report_error(status, message) bind(C, name="kmoe_report_error")
       import :: c_int, c_char
@@ -318,6 +387,96 @@ contains
     end if
     st = c_eplb(loads, int(size(loads), c_int32_t), int(size(slot_expert), c_int32_t), int(num_ranks, c_int32_t), &
                 int(num_nodes, c_int32_t), int(groups, c_int32_t), slot_expert, slot_rank)
+  end function
+
+  !> Collective: dx = the backward of the last forward (on hidden), given
+  !> dout; all (d, tokens) fp32 arrays. The parameter gradients stay in the
+  !> layer (kmoe_layer_get_gradient).
+  integer(c_int) function kmoe_layer_backward(layer, hidden, dout, dx) result(st)
+    type(kmoe_layer), intent(in) :: layer
+    real(c_float), intent(in), target, contiguous :: hidden(:, :), dout(:, :)
+    real(c_float), intent(inout), target, contiguous :: dx(:, :)
+    st = check_shapes(layer, shape(hidden), shape(dout))
+    if (st /= kmoe_success) return
+    st = check_shapes(layer, shape(hidden), shape(dx))
+    if (st /= kmoe_success) return
+    st = c_layer_backward(layer%handle, c_loc(hidden), c_loc(dout), int(size(hidden, 2), c_int64_t), &
+                          int(size(hidden, 1), c_int64_t), kmoe_fp32, kmoe_host, c_loc(dx))
+  end function
+
+  !> How many tensors a parameter has, and one tensor's elements.
+  integer(c_int) function kmoe_layer_parameter_count(layer, parameter, count, elements) result(st)
+    type(kmoe_layer), intent(in) :: layer
+    integer(c_int), intent(in) :: parameter
+    integer, intent(out) :: count
+    integer(c_int64_t), intent(out) :: elements
+    integer(c_int32_t) :: n, nd
+    integer(c_int64_t) :: s(2)
+    s = 1
+    st = c_layer_parameter_info(layer%handle, parameter, n, nd, s)
+    count = int(n)
+    elements = product(s(1:nd))
+  end function
+
+  !> The global expert id of each of this rank's routed slots (0-based).
+  integer(c_int) function kmoe_layer_local_experts(layer, experts) result(st)
+    type(kmoe_layer), intent(in) :: layer
+    integer(c_int32_t), allocatable, target, intent(out) :: experts(:)
+    integer(c_int32_t) :: n
+    st = c_layer_local_experts(layer%handle, c_null_ptr, 0_c_int32_t, n)
+    if (st /= kmoe_success) return
+    allocate (experts(n))
+    if (n == 0) return
+    st = c_layer_local_experts(layer%handle, c_loc(experts), n, n)
+  end function
+
+  integer(c_int) function get_parameter_1(layer, parameter, index, values) result(st)
+    type(kmoe_layer), intent(in) :: layer
+    integer(c_int), intent(in) :: parameter
+    integer, intent(in) :: index
+    real(c_float), intent(inout), target, contiguous :: values(:)
+    st = c_layer_get_parameter(layer%handle, parameter, int(index, c_int32_t), c_loc(values), int(size(values), c_int64_t))
+  end function
+  integer(c_int) function get_parameter_2(layer, parameter, index, values) result(st)
+    type(kmoe_layer), intent(in) :: layer
+    integer(c_int), intent(in) :: parameter
+    integer, intent(in) :: index
+    real(c_float), intent(inout), target, contiguous :: values(:, :)
+    st = c_layer_get_parameter(layer%handle, parameter, int(index, c_int32_t), c_loc(values), int(size(values), c_int64_t))
+  end function
+  integer(c_int) function set_parameter_1(layer, parameter, index, values) result(st)
+    type(kmoe_layer), intent(in) :: layer
+    integer(c_int), intent(in) :: parameter
+    integer, intent(in) :: index
+    real(c_float), intent(in), target, contiguous :: values(:)
+    type(c_ptr) :: p
+    p = c_null_ptr
+    if (size(values) > 0) p = c_loc(values)
+    st = c_layer_set_parameter(layer%handle, parameter, int(index, c_int32_t), p, int(size(values), c_int64_t))
+  end function
+  integer(c_int) function set_parameter_2(layer, parameter, index, values) result(st)
+    type(kmoe_layer), intent(in) :: layer
+    integer(c_int), intent(in) :: parameter
+    integer, intent(in) :: index
+    real(c_float), intent(in), target, contiguous :: values(:, :)
+    type(c_ptr) :: p
+    p = c_null_ptr
+    if (size(values) > 0) p = c_loc(values)
+    st = c_layer_set_parameter(layer%handle, parameter, int(index, c_int32_t), p, int(size(values), c_int64_t))
+  end function
+  integer(c_int) function get_gradient_1(layer, parameter, index, values) result(st)
+    type(kmoe_layer), intent(in) :: layer
+    integer(c_int), intent(in) :: parameter
+    integer, intent(in) :: index
+    real(c_float), intent(inout), target, contiguous :: values(:)
+    st = c_layer_get_gradient(layer%handle, parameter, int(index, c_int32_t), c_loc(values), int(size(values), c_int64_t))
+  end function
+  integer(c_int) function get_gradient_2(layer, parameter, index, values) result(st)
+    type(kmoe_layer), intent(in) :: layer
+    integer(c_int), intent(in) :: parameter
+    integer, intent(in) :: index
+    real(c_float), intent(inout), target, contiguous :: values(:, :)
+    st = c_layer_get_gradient(layer%handle, parameter, int(index, c_int32_t), c_loc(values), int(size(values), c_int64_t))
   end function
 
 end module kokkosmoe

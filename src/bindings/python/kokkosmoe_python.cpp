@@ -10,6 +10,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -211,6 +212,102 @@ class Layer {
   void save_weights(std::string const& path) { check(kmoe_layer_save_weights(handle(), path.c_str())); }
   void load_weights(std::string const& path) { check(kmoe_layer_load_weights(handle(), path.c_str())); }
 
+  /// The kmoe_parameter called `name`.
+  static kmoe_parameter parameter_named(std::string const& name) {
+    for (int p = KMOE_ROUTER_WEIGHT; p <= KMOE_SHARED_DOWN; ++p)
+      if (name == kmoe_parameter_name(static_cast<kmoe_parameter>(p))) return static_cast<kmoe_parameter>(p);
+    std::string known;
+    for (int p = KMOE_ROUTER_WEIGHT; p <= KMOE_SHARED_DOWN; ++p) known += std::string(p ? ", " : "") + kmoe_parameter_name(static_cast<kmoe_parameter>(p));
+    throw py::value_error("unknown parameter '" + name + "' (parameters: " + known + ")");
+  }
+
+  int parameter_count(std::string const& name) const {
+    std::int32_t n = 0;
+    check(kmoe_layer_parameter_info(handle(), parameter_named(name), &n, nullptr, nullptr));
+    return n;
+  }
+
+  std::vector<py::ssize_t> parameter_shape(std::string const& name) const {
+    std::int32_t nd = 0;
+    std::int64_t s[2] = {0, 0};
+    check(kmoe_layer_parameter_info(handle(), parameter_named(name), nullptr, &nd, s));
+    return std::vector<py::ssize_t>(s, s + nd);
+  }
+
+  /// Collective: one tensor of a parameter as a new float32 array.
+  py::array_t<float> get_parameter(std::string const& name, int index) {
+    kmoe_parameter const p = parameter_named(name);
+    py::array_t<float> v(parameter_shape(name));
+    check(kmoe_layer_get_parameter(handle(), p, index, v.mutable_data(), static_cast<std::int64_t>(v.size())));
+    return v;
+  }
+
+  /// Collective: sets one tensor (values: anything float32-convertible of
+  /// its shape; None on ranks that hold no copy of a routed expert).
+  void set_parameter(std::string const& name, int index, py::object values) {
+    kmoe_parameter const p = parameter_named(name);
+    py::array_t<float, py::array::c_style | py::array::forcecast> v;
+    std::string problem;
+    if (!values.is_none()) v = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(values);
+    if (values.is_none()) problem.clear();
+    else if (!v) problem = "set_parameter: values must be convertible to a float32 array";
+    else if (v.ndim() != static_cast<py::ssize_t>(parameter_shape(name).size()) ||
+             !std::equal(v.shape(), v.shape() + v.ndim(), parameter_shape(name).begin()))
+      problem = "set_parameter: " + name + " tensors are " + py::str(py::tuple(py::cast(parameter_shape(name)))).cast<std::string>() +
+                ", values are " + py::str(py::tuple(py::cast(std::vector<py::ssize_t>(v.shape(), v.shape() + v.ndim())))).cast<std::string>();
+    // Every rank agrees on the arguments (a rank passing None included).
+    check(kmoe_layer_check(handle(), problem.empty() ? 1 : 0, problem.c_str()));
+    if (values.is_none())
+      check(kmoe_layer_set_parameter(handle(), p, index, nullptr, 0));
+    else
+      check(kmoe_layer_set_parameter(handle(), p, index, v.data(), static_cast<std::int64_t>(v.size())));
+  }
+
+  /// Collective: the gradient of one tensor from the last backward.
+  py::array_t<float> get_gradient(std::string const& name, int index) {
+    kmoe_parameter const p = parameter_named(name);
+    py::array_t<float> v(parameter_shape(name));
+    check(kmoe_layer_get_gradient(handle(), p, index, v.mutable_data(), static_cast<std::int64_t>(v.size())));
+    return v;
+  }
+
+  /// The global expert of each of this rank's routed slots.
+  py::array_t<std::int32_t> local_experts() const {
+    std::int32_t n = 0;
+    check(kmoe_layer_local_experts(handle(), nullptr, 0, &n));
+    py::array_t<std::int32_t> e(n);
+    check(kmoe_layer_local_experts(handle(), e.mutable_data(), n, &n));
+    return e;
+  }
+
+  /// This rank's storage of a parameter as an array over the layer's memory
+  /// (no copy; `owner`, the Python layer, lives as long as the array).
+  static py::array parameter_view(py::object owner, std::string const& name) {
+    Layer& self = owner.cast<Layer&>();
+    void* data = nullptr;
+    std::int32_t nd = 0;
+    std::int64_t s[3] = {0, 0, 0};
+    kmoe_dtype dt = KMOE_FP32;
+    kmoe_memory mem = KMOE_HOST;
+    check(kmoe_layer_parameter_storage(self.handle(), parameter_named(name), &data, &nd, s, &dt, &mem));
+    if (mem != KMOE_HOST) throw py::value_error("parameter_view: the layer's parameters live in device memory (use get_parameter)");
+    py::dtype const t = dt == KMOE_BF16 ? py::dtype::of<std::uint16_t>() : py::dtype::of<float>();
+    return py::array(t, std::vector<py::ssize_t>(s, s + nd), data, owner);
+  }
+
+  /// This rank's gradient storage of a parameter (float32, no copy), filled
+  /// by each backward.
+  static py::array gradient_view(py::object owner, std::string const& name) {
+    Layer& self = owner.cast<Layer&>();
+    float* data = nullptr;
+    std::int32_t nd = 0;
+    std::int64_t s[3] = {0, 0, 0};
+    kmoe_memory mem = KMOE_HOST;
+    check(kmoe_layer_gradient_storage(self.handle(), parameter_named(name), &data, &nd, s, &mem));
+    if (mem != KMOE_HOST) throw py::value_error("gradient_view: the layer's gradients live in device memory (use get_gradient)");
+    return py::array(py::dtype::of<float>(), std::vector<py::ssize_t>(s, s + nd), data, owner);
+  }
+
  private:
   kmoe_layer* handle() const {
     if (!h_) throw std::runtime_error("the layer is closed");
@@ -266,5 +363,13 @@ PYBIND11_MODULE(_kokkosmoe, m) {
       .def("topology_json", &Layer::topology_json)
       .def("placement", &Layer::placement)
       .def("save_weights", &Layer::save_weights)
-      .def("load_weights", &Layer::load_weights);
+      .def("load_weights", &Layer::load_weights)
+      .def("parameter_count", &Layer::parameter_count, py::arg("name"))
+      .def("parameter_shape", &Layer::parameter_shape, py::arg("name"))
+      .def("get_parameter", &Layer::get_parameter, py::arg("name"), py::arg("index") = 0)
+      .def("set_parameter", &Layer::set_parameter, py::arg("name"), py::arg("index"), py::arg("values"))
+      .def("get_gradient", &Layer::get_gradient, py::arg("name"), py::arg("index") = 0)
+      .def("local_experts", &Layer::local_experts)
+      .def("parameter_view", &Layer::parameter_view, py::arg("name"))
+      .def("gradient_view", &Layer::gradient_view, py::arg("name"));
 }

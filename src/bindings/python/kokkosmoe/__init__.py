@@ -17,6 +17,11 @@ comm=): every rank makes them in the same order. A failed call raises
 kokkosmoe.Error with the library's message and status, on every rank for
 collective calls. NumPy arrays are used in place: C-contiguous float32 rows
 (fp32 layers) or uint16 rows holding bf16 bits (bf16 layers).
+
+Parameters (PARAMETERS), one tensor per index: router_weight [E, d] and
+correction_bias [E] (index 0), expert_gate / expert_up [f, d] and
+expert_down [d, f] by global expert id, shared_gate / shared_up / shared_down
+by shared expert. kokkosmoe.torch.MoELayer is the layer as a torch.nn.Module.
 """
 
 import atexit
@@ -24,7 +29,11 @@ import json
 
 from . import _kokkosmoe as _k
 
-__all__ = ["Error", "Layer", "eplb", "version", "build_configuration", "initialize", "finalize"]
+__all__ = ["Error", "Layer", "PARAMETERS", "eplb", "version", "build_configuration", "initialize", "finalize"]
+
+#: The parameter names of a layer (kmoe_parameter order).
+PARAMETERS = ("router_weight", "correction_bias", "expert_gate", "expert_up", "expert_down",
+              "shared_gate", "shared_up", "shared_down")
 
 #: Status codes of kmoe.h.
 SUCCESS, INVALID_ARGUMENT, NOT_INITIALIZED, INPUT, RUNTIME, UNAVAILABLE, BUFFER_TOO_SMALL = range(7)
@@ -149,6 +158,46 @@ class Layer:
     def load_weights(self, path):
         """Collective: the routed experts' weights from an HDF5 file."""
         self._layer.load_weights(str(path))
+
+    # ---- parameters (see PARAMETERS) ----
+
+    def parameter_count(self, name):
+        """How many tensors parameter `name` has (0 where the layer has none)."""
+        return self._layer.parameter_count(name)
+
+    def parameter_shape(self, name):
+        """The shape of one tensor of parameter `name`."""
+        return tuple(self._layer.parameter_shape(name))
+
+    def get_parameter(self, name, index=0):
+        """Collective: tensor `index` of parameter `name` (float32 copy)."""
+        return self._layer.get_parameter(name, index)
+
+    def set_parameter(self, name, index, values):
+        """Collective: sets tensor `index` of `name` from float32-convertible
+        values (every rank holding a copy passes the same; None on ranks
+        holding no copy of a routed expert)."""
+        self._layer.set_parameter(name, index, values)
+
+    def get_gradient(self, name, index=0):
+        """Collective: the gradient of tensor `index` of `name` from the last backward."""
+        return self._layer.get_gradient(name, index)
+
+    def local_experts(self):
+        """The global expert id of each of this rank's routed slots."""
+        return self._layer.local_experts()
+
+    def parameter_view(self, name):
+        """This rank's storage of parameter `name`, without a copy: router_weight
+        [E, d], correction_bias [E], expert_* [slots, rows, cols] (this rank's
+        slots, local_experts() order), shared_* [shared, rows, cols]; float32
+        (uint16 bf16 bits in bf16 layers). Writes are the layer's weights."""
+        return self._layer.parameter_view(name)
+
+    def gradient_view(self, name):
+        """This rank's gradient storage of `name` (float32, no copy), laid out
+        as parameter_view's and refilled by every backward."""
+        return self._layer.gradient_view(name)
 
 
 initialize()
