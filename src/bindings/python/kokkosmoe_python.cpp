@@ -283,32 +283,39 @@ class Layer {
   /// This rank's storage of a parameter as an array over the layer's memory
   /// (no copy; `owner`, the Python layer, lives as long as the array).
   static py::array parameter_view(py::object owner, std::string const& name) {
+    return storage_view(owner, name, false);
+  }
+
+  /// This rank's gradient storage of a parameter (float32, no copy), filled
+  /// by each backward.
+  static py::array gradient_view(py::object owner, std::string const& name) {
+    return storage_view(owner, name, true);
+  }
+
+ private:
+  /// An array over this rank's storage of a parameter (gradient: its fp32
+  /// gradient storage), kept alive by `owner`.
+  static py::array storage_view(py::object owner, std::string const& name, bool gradient) {
     Layer& self = owner.cast<Layer&>();
     void* data = nullptr;
     std::int32_t nd = 0;
     std::int64_t s[3] = {0, 0, 0};
     kmoe_dtype dt = KMOE_FP32;
     kmoe_memory mem = KMOE_HOST;
-    check(kmoe_layer_parameter_storage(self.handle(), parameter_named(name), &data, &nd, s, &dt, &mem));
-    if (mem != KMOE_HOST) throw py::value_error("parameter_view: the layer's parameters live in device memory (use get_parameter)");
+    if (gradient) {
+      float* g = nullptr;
+      check(kmoe_layer_gradient_storage(self.handle(), parameter_named(name), &g, &nd, s, &mem));
+      data = g;
+    } else {
+      check(kmoe_layer_parameter_storage(self.handle(), parameter_named(name), &data, &nd, s, &dt, &mem));
+    }
+    if (mem != KMOE_HOST)
+      throw py::value_error(std::string(gradient ? "gradient_view" : "parameter_view") + ": the layer's storage lives in device memory (use " +
+                            (gradient ? "get_gradient" : "get_parameter") + ")");
     py::dtype const t = dt == KMOE_BF16 ? py::dtype::of<std::uint16_t>() : py::dtype::of<float>();
     return py::array(t, std::vector<py::ssize_t>(s, s + nd), data, owner);
   }
 
-  /// This rank's gradient storage of a parameter (float32, no copy), filled
-  /// by each backward.
-  static py::array gradient_view(py::object owner, std::string const& name) {
-    Layer& self = owner.cast<Layer&>();
-    float* data = nullptr;
-    std::int32_t nd = 0;
-    std::int64_t s[3] = {0, 0, 0};
-    kmoe_memory mem = KMOE_HOST;
-    check(kmoe_layer_gradient_storage(self.handle(), parameter_named(name), &data, &nd, s, &mem));
-    if (mem != KMOE_HOST) throw py::value_error("gradient_view: the layer's gradients live in device memory (use get_gradient)");
-    return py::array(py::dtype::of<float>(), std::vector<py::ssize_t>(s, s + nd), data, owner);
-  }
-
- private:
   kmoe_layer* handle() const {
     if (!h_) throw std::runtime_error("the layer is closed");
     return h_;
