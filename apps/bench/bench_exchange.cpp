@@ -83,7 +83,7 @@ int run(int argc, char** argv) {
   double sender_cf = 1.25, receiver_cf = 1.5;
   std::string transport = "mpi";
   std::vector<std::string> algorithms{"flat", "hierarchical", "hierarchical_dedup", "pooled_wave"};
-  bool hosts = false;
+  bool hosts = false, into_experts = true;
   std::string cost_model;
   app.add_option("--tokens", tokens, "tokens per rank")->check(CLI::NonNegativeNumber);
   app.add_option("--top-k", top_k, "routes per token")->check(CLI::PositiveNumber);
@@ -99,6 +99,7 @@ int run(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember(enum_names<Exchange::Algorithm>()));
   app.add_flag("--hosts", hosts, "nodes are the real hosts (hwloc layout); ratios are times over the flat exchange's in the same run");
+  app.add_option("--receive-into-experts", into_experts, "rows straight to and from their expert-major places ([exchange] receive_into_experts)");
   app.add_option("--cost-model", cost_model, "cost model file (kmoe-bench calibrate): its predicted time beside each measured one");
   try {
     app.parse(argc, argv);
@@ -226,6 +227,7 @@ int run(int argc, char** argv) {
   config.tokens_per_rank = tokens;
   config.transport = from_string<Exchange::TransportKind>(transport);
   config.top_k = top_k;
+  config.receive_into_experts = into_experts;
   PayloadBuffer<MS> returned(exec, "bench::returned", PayloadType::bf16, width, plan.rows());
   // One step of an exchange: every wave dispatched and combined (identity experts).
   auto step = [&](Exchange::AnyExchange<bf16_t, Exec, MS>& x, Exchange::ByteLedger& ledger) {
