@@ -205,6 +205,10 @@ class MoELayer {
   /// same; write it between forwards, the same on every rank).
   RowMatrix<T, MemorySpace> const& router_weight() const { return router_weight_; }
   Router<MemorySpace>& router() { return router_; }
+  /// \brief What the weights came from (a checkpoint path, or the seed that
+  /// drew them): part of a decode bucket's graph key. "" until set.
+  std::string const& checkpoint() const { return checkpoint_; }
+  void set_checkpoint(std::string identity) { checkpoint_ = std::move(identity); }
   Topology::CommunicatorSet const& communicators() const { return *comms_; }
 
   /// \brief Routes hidden [T, d] with the router and runs the layer:
@@ -563,6 +567,15 @@ class MoELayer {
     return o;
   }
 
+  /// \brief Routes per physical slot that the accepted routes of `table`
+  /// take from this rank (the replicas a step on it would pick), [S].
+  std::vector<index_t> slot_route_counts(ExecutionSpace const& exec, RouteTable<MemorySpace> const& table) {
+    auto const plan = make_route_plan(exec, table, device_placement_, choice_, comms_->global_rank(), 0, {}, &work_);
+    std::vector<index_t> counts(static_cast<std::size_t>(placement_.num_slots()), 0);
+    for (int s : copy_to_host(exec, plan.slot)) ++counts[static_cast<std::size_t>(s)];
+    return counts;
+  }
+
   /// \brief The last route table (from forward()).
   RouteTable<MemorySpace> const& routes() const { return table_; }
 
@@ -842,6 +855,7 @@ class MoELayer {
   }
 
   LayerConfig config_;
+  std::string checkpoint_;
   Topology::CommunicatorSet const* comms_;
   Placement placement_;
   RowMatrix<T, MemorySpace> router_weight_;
