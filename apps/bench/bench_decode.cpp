@@ -52,10 +52,6 @@ int bench(LayerDeck const& deck, DecodeOptions const& o) {
   layer.set_checkpoint(deck.model.checkpoint.empty() ? "seed:" + std::to_string(deck.run.seed) : deck.model.checkpoint);
   DecodeBucket<T, Exec, MS> bucket(layer, BucketConfig{o.max_tokens, static_cast<index_t>(size) * o.max_tokens * deck.model.top_k});
   auto const all_rows = Setup::hidden_rows<T, MS>(deck, 0, rank * o.max_tokens, o.max_tokens, rank);
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
   auto slowest = [&](double mine, char const* what) {
     double s = 0;
     allreduce_watched(&mine, &s, 1, MPI_DOUBLE, MPI_MAX, world, what, watchdog);
@@ -88,7 +84,7 @@ int bench(LayerDeck const& deck, DecodeOptions const& o) {
     int local = digest_bytes(hb.data(), hb.size() * sizeof(T)) == digest_bytes(ho.data(), ho.size() * sizeof(T)) ? 1 : 0, identical = 0;
     allreduce_watched(&local, &identical, 1, MPI_INT, MPI_MIN, world, "decode bench: outputs", watchdog);
     all_identical &= identical;
-    double const bs = median(b), os = median(r);
+    double const bs = kmoe_bench::median(b), os = kmoe_bench::median(r);
     kmoe_bench::print_bench("decode_T" + std::to_string(t) + "_np" + std::to_string(size),
                             {{"tokens", std::to_string(t)},
                              {"capacity", std::to_string(o.max_tokens)},

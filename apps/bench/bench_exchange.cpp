@@ -57,12 +57,6 @@ double once(F&& f) {
   return slowest(t.seconds());
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  std::size_t const n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /// Medians of ours and of the baseline, alternated rep by rep after one
 /// warmup each, so that drift in the machine's load hits both alike.
 template <class F, class G>
@@ -74,7 +68,7 @@ std::pair<double, double> timed_pair(int reps, F&& ours, G&& baseline) {
     a.push_back(once(ours));
     b.push_back(once(baseline));
   }
-  return {median(a), median(b)};
+  return {kmoe_bench::median(a), kmoe_bench::median(b)};
 }
 
 int run(int argc, char** argv) {

@@ -99,16 +99,12 @@ int bench(LayerDeck deck, LayerOptions const& o) {
     auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), c.out);
     c.digest = digest_bytes(h.data(), h.size() * sizeof(T));
   }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
-  double const serial_s = median(cases.front().seconds);
+  double const serial_s = kmoe_bench::median(cases.front().seconds);
   for (auto& c : cases) {
     int local = c.digest == cases.front().digest ? 1 : 0, identical = 0;
     allreduce_watched(&local, &identical, 1, MPI_INT, MPI_MIN, world, "layer bench: outputs", watchdog);
     all_identical &= identical;
-    double const s = median(c.seconds);
+    double const s = kmoe_bench::median(c.seconds);
     long allocations = 0;
     allreduce_watched(&c.allocations, &allocations, 1, MPI_LONG, MPI_MAX, world, "layer bench: allocations", watchdog);
     kmoe_bench::print_bench("layer_" + to_string(c.kind) + "_np" + std::to_string(size),

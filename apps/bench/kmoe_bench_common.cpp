@@ -26,8 +26,14 @@ double median_seconds(int warmup, int reps, std::function<void()> const& f) {
     f();
     t.push_back(timer.seconds());
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(std::move(t));
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  std::size_t const n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 std::string fmt(double value, int digits) {

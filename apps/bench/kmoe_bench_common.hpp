@@ -42,6 +42,9 @@ struct Register {
 /// fence what it launches (the helpers below fence the default instance).
 double median_seconds(int warmup, int reps, std::function<void()> const& f);
 
+/// The median of v (the mean of the middle two for an even count; 0 when empty).
+double median(std::vector<double> v);
+
 /// One BENCH line on rank 0 of MPI_COMM_WORLD (and flushed).
 void print_bench(std::string const& name, std::vector<std::pair<std::string, std::string>> const& fields,
                  double ratio);
