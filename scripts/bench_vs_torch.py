@@ -15,7 +15,10 @@ tokens, fp32 and bf16, one line per case:
 
 speedup = torch time / ours, ratio = ours / torch (the BENCH convention:
 ours over the baseline measured in the same run); times are medians of
---reps calls after a warm-up; max_rel_diff compares the two outputs. A
+--reps calls after a warm-up; max_rel_diff compares the two outputs (relative
+to the largest output value); route_flips counts tokens whose top-k differs
+between torch's logits, rounded to the input dtype, and FP32 logits (this
+library's router), and max_rel_diff_same_routes compares the other tokens. A
 benchmark, not a test: absolute times depend on the machine.
 """
 
@@ -136,8 +139,19 @@ def main():
                 y = (out.astype(np.uint32) << 16).view(np.float32) if dtype == "bf16" else out
                 r = ref.to(torch.float32).numpy()
                 diff = float(np.abs(y - r).max() / max(np.abs(r).max(), 1e-30))
+                # Tokens whose top-k set differs between torch's logits (in
+                # x's dtype) and FP32 logits of the same inputs (this
+                # library's router): their rows go to other experts, so the
+                # difference on the other tokens is reported apart.
+                with torch.no_grad():
+                    mine_k = torch.topk(x.float() @ router.float().T, k, dim=-1).indices.sort(-1).values
+                    their_k = torch.topk((x @ router.T).float(), k, dim=-1).indices.sort(-1).values
+                flipped = (mine_k != their_k).any(-1).numpy()
+                keep = ~flipped
+                diff_kept = float(np.abs(y[keep] - r[keep]).max() / max(np.abs(r).max(), 1e-30)) if keep.any() else 0.0
                 print(f"BENCH name=vs_torch_T{T}_{dtype} tokens={T} dtype={dtype} d={d} experts={E} top_k={k} ffn={f} "
                       f"torch_s={theirs:.6g} ours_s={ours:.6g} speedup={theirs / ours:.3f} max_rel_diff={diff:.2g} "
+                      f"route_flips={int(flipped.sum())} max_rel_diff_same_routes={diff_kept:.2g} "
                       f"ratio={ours / theirs:.3f}", flush=True)
 
 
