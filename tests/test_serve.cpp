@@ -38,10 +38,7 @@ struct Parts {
   std::unique_ptr<MoELayer<float, Exec, MS>> layer;
   explicit Parts(int shared = 0)
       : deck(parse_layer_deck("serve-test", deck_text(kmoe_test::world_size(), shared), kmoe_test::world_size())),
-        run(Setup::make_run(deck, MPI_COMM_WORLD)) {
-    Exec exec;
-    layer = on_generation(0);
-  }
+        run(Setup::make_run(deck, MPI_COMM_WORLD)), layer(on_generation(0)) {}
   /// The deck's layer on the run's communicators, placement generation g.
   std::unique_ptr<MoELayer<float, Exec, MS>> on_generation(std::uint64_t g) const {
     Exec exec;

@@ -233,8 +233,6 @@ class DecodeBucket {
     out_ = RowMatrix<T, MemorySpace>("KokkosMoE::DecodeBucket::out", capacity_.rank_tokens, d_);
     table_ = RouteTable<MemorySpace>("KokkosMoE::DecodeBucket::routes", capacity_.rank_tokens, k_, E_);
     pointers_ = data_pointers();
-    rank_tokens_.assign(0, 0);
-    slot_routes_.assign(static_cast<std::size_t>(S_), 0);
     reserved_ = true;
   }
   bool reserved() const { return reserved_; }
@@ -466,7 +464,6 @@ class DecodeBucket {
   RowMatrix<T, MemorySpace> hidden_, out_;
   RouteTable<MemorySpace> table_;
   std::vector<void const*> pointers_;
-  std::vector<index_t> rank_tokens_, slot_routes_;
   bool reserved_ = false;
   Workspace<MemorySpace> work_{"KokkosMoE::DecodeBucket"};
 };
