@@ -52,11 +52,6 @@ int bench(LayerDeck const& deck, DecodeOptions const& o) {
   layer.set_checkpoint(deck.model.checkpoint.empty() ? "seed:" + std::to_string(deck.run.seed) : deck.model.checkpoint);
   DecodeBucket<T, Exec, MS> bucket(layer, BucketConfig{o.max_tokens, static_cast<index_t>(size) * o.max_tokens * deck.model.top_k});
   auto const all_rows = Setup::hidden_rows<T, MS>(deck, 0, rank * o.max_tokens, o.max_tokens, rank);
-  auto slowest = [&](double mine, char const* what) {
-    double s = 0;
-    allreduce_watched(&mine, &s, 1, MPI_DOUBLE, MPI_MAX, world, what, watchdog);
-    return s;
-  };
   int all_identical = 1;
   for (index_t t = 1; t <= o.max_tokens; t *= 2) {
     RowMatrix<T, MS> const x = Kokkos::subview(all_rows, std::make_pair(index_t(0), t), Kokkos::ALL);
@@ -68,12 +63,12 @@ int bench(LayerDeck const& deck, DecodeOptions const& o) {
       MPI_Barrier(world);
       Kokkos::Timer timer;
       last = bucket.step(exec, layer, x, out_b, Phase::decode);
-      double const sb = slowest(timer.seconds(), "decode bench: bucket step");
+      double const sb = kmoe_bench::slowest_rank(timer.seconds(), world, watchdog, "decode bench: bucket step");
       admitted &= last.replayed ? 1 : 0;
       MPI_Barrier(world);
       timer.reset();
       layer.forward(exec, x, out_o);
-      double const so = slowest(timer.seconds(), "decode bench: ordinary step");
+      double const so = kmoe_bench::slowest_rank(timer.seconds(), world, watchdog, "decode bench: ordinary step");
       if (i >= o.warmup) {
         b.push_back(sb);
         r.push_back(so);
@@ -81,9 +76,10 @@ int bench(LayerDeck const& deck, DecodeOptions const& o) {
     }
     auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out_b);
     auto ho = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), out_o);
-    int local = digest_bytes(hb.data(), hb.size() * sizeof(T)) == digest_bytes(ho.data(), ho.size() * sizeof(T)) ? 1 : 0, identical = 0;
-    allreduce_watched(&local, &identical, 1, MPI_INT, MPI_MIN, world, "decode bench: outputs", watchdog);
-    all_identical &= identical;
+    bool const identical = kmoe_bench::on_every_rank(
+        digest_bytes(hb.data(), hb.size() * sizeof(T)) == digest_bytes(ho.data(), ho.size() * sizeof(T)), world, watchdog,
+        "decode bench: outputs");
+    all_identical &= identical ? 1 : 0;
     double const bs = kmoe_bench::median(b), os = kmoe_bench::median(r);
     kmoe_bench::print_bench("decode_T" + std::to_string(t) + "_np" + std::to_string(size),
                             {{"tokens", std::to_string(t)},

@@ -87,9 +87,7 @@ int bench(LayerDeck deck, LayerOptions const& o) {
         rec = c.layer->forward(exec, hidden, c.out);
         if (r >= o.warmup) c.allocations += static_cast<long>(log.count());
       }
-      double const mine = rec.seconds.at("total");
-      double slowest = 0;
-      allreduce_watched(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, world, "layer bench: step time", watchdog);
+      double const slowest = kmoe_bench::slowest_rank(rec.seconds.at("total"), world, watchdog, "layer bench: step time");
       if (r >= o.warmup) c.seconds.push_back(slowest);
     }
   }
@@ -101,9 +99,8 @@ int bench(LayerDeck deck, LayerOptions const& o) {
   }
   double const serial_s = kmoe_bench::median(cases.front().seconds);
   for (auto& c : cases) {
-    int local = c.digest == cases.front().digest ? 1 : 0, identical = 0;
-    allreduce_watched(&local, &identical, 1, MPI_INT, MPI_MIN, world, "layer bench: outputs", watchdog);
-    all_identical &= identical;
+    bool const identical = kmoe_bench::on_every_rank(c.digest == cases.front().digest, world, watchdog, "layer bench: outputs");
+    all_identical &= identical ? 1 : 0;
     double const s = kmoe_bench::median(c.seconds);
     long allocations = 0;
     allreduce_watched(&c.allocations, &allocations, 1, MPI_LONG, MPI_MAX, world, "layer bench: allocations", watchdog);

@@ -1,5 +1,7 @@
 #include "kmoe_bench_common.hpp"
 
+#include <KokkosMoE_Collective.hpp>
+
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -27,6 +29,18 @@ double median_seconds(int warmup, int reps, std::function<void()> const& f) {
     t.push_back(timer.seconds());
   }
   return median(std::move(t));
+}
+
+double slowest_rank(double mine, MPI_Comm comm, double watchdog, char const* what) {
+  double s = 0;
+  KokkosMoE::allreduce_watched(&mine, &s, 1, MPI_DOUBLE, MPI_MAX, comm, what, watchdog);
+  return s;
+}
+
+bool on_every_rank(bool mine, MPI_Comm comm, double watchdog, char const* what) {
+  int local = mine ? 1 : 0, all = 0;
+  KokkosMoE::allreduce_watched(&local, &all, 1, MPI_INT, MPI_MIN, comm, what, watchdog);
+  return all != 0;
 }
 
 double median(std::vector<double> v) {

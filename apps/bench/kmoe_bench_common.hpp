@@ -45,6 +45,13 @@ double median_seconds(int warmup, int reps, std::function<void()> const& f);
 /// The median of v (the mean of the middle two for an even count; 0 when empty).
 double median(std::vector<double> v);
 
+/// The largest of every rank's `mine` over comm (the slowest rank's time),
+/// under the watchdog.
+double slowest_rank(double mine, MPI_Comm comm, double watchdog, char const* what);
+
+/// True when `mine` holds on every rank of comm, under the watchdog.
+bool on_every_rank(bool mine, MPI_Comm comm, double watchdog, char const* what);
+
 /// One BENCH line on rank 0 of MPI_COMM_WORLD (and flushed).
 void print_bench(std::string const& name, std::vector<std::pair<std::string, std::string>> const& fields,
                  double ratio);
