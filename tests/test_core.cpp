@@ -15,6 +15,7 @@
 #include <KokkosMoE_Exchange_Ledger.hpp>
 #include <KokkosMoE_Experts_Runner.hpp>
 #include <KokkosMoE_Gemm.hpp>
+#include <KokkosMoE_HostHeap.hpp>
 #include <KokkosMoE_Migration.hpp>
 #include <KokkosMoE_PlacementRegistry.hpp>
 #include <KokkosMoE_Router.hpp>
@@ -22,6 +23,7 @@
 #include <KokkosMoE_Topology_Communicators.hpp>
 #include <KokkosMoE_Workspace.hpp>
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <set>
@@ -117,6 +119,32 @@ TEST_CASE("allocation log: sees every Kokkos allocation while it lives, one log 
     AllocationLog again;  // the first one is gone
     CHECK(again.count() == 0);
   }
+}
+
+TEST_CASE("host heap: a fixed mmap threshold maps large host views on their own and returns them when freed", "[core][heap]") {
+  std::string const policy = stable_host_heap();
+  HostHeapStats const before = host_heap_stats();
+  CHECK(before.resident_mb > 0);
+#if defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__)
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) CHECK(policy == "mmap_threshold=" + std::to_string(stable_mmap_threshold_bytes));
+  if (before.mapped_mb >= 0 && policy == "mmap_threshold=" + std::to_string(stable_mmap_threshold_bytes)) {
+    double const mb = 8.0;
+    double mapped_live = 0;
+    {
+      Kokkos::View<char*, Kokkos::HostSpace> big("host_heap::big", static_cast<std::size_t>(mb * 1024 * 1024));
+      mapped_live = host_heap_stats().mapped_mb;
+      CHECK(mapped_live >= before.mapped_mb + mb);
+    }
+    // Freed: its pages are unmapped, whatever was mapped before it stays.
+    {
+      Kokkos::View<char*, Kokkos::HostSpace> again("host_heap::again", static_cast<std::size_t>(mb * 1024 * 1024));
+      CHECK(host_heap_stats().mapped_mb >= before.mapped_mb + mb);
+    }
+    CHECK(host_heap_stats().mapped_mb <= mapped_live - mb + 0.01);
+  }
+#else
+  CHECK(!policy.empty());
+#endif
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include "kmoe_catch.hpp"
 #include "kmoe_test_util.hpp"
 
+#include <KokkosMoE_AllocationLog.hpp>
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_LayerSetup.hpp>
 #include <KokkosMoE_Serve.hpp>
@@ -149,9 +150,18 @@ TEST_CASE("an admitted decode step replays on the bucket with the ordinary path'
   // The ordinary path on the same rows and routes: the same bits.
   p.layer->forward_routes(exec, x, table, ref);
   CHECK(kmoe_test::same_bits(host(out), host(ref)));
-  // Replayed again: the same bits.
+  // Replayed again: the same bits, and no buffer moves (no Kokkos
+  // allocation anywhere in the step: bucket, layer, exchange, experts).
   RowMatrix<float, MS> again("again", n, 3);
-  auto const rec2 = bucket.step_routes(exec, *p.layer, x, table, again, Phase::decode);
+  ServeRecord rec2;
+  std::string allocated;
+  {
+    AllocationLog log;
+    rec2 = bucket.step_routes(exec, *p.layer, x, table, again, Phase::decode);
+    allocated = log.text();
+  }
+  INFO(allocated);
+  CHECK(allocated.empty());
   CHECK(rec2.replayed);
   CHECK(kmoe_test::same_bits(host(out), host(again)));
   // The reserved payload is the fixed buffers', named.

@@ -125,6 +125,7 @@ GraphKey graph_key(MoELayer<T, E, M> const& layer, BucketConfig const& capacity)
   auto add = [&](char const* n, std::string v) { k.fields.emplace_back(n, std::move(v)); };
   add("communicator", comms.ep().name() + "/" + std::to_string(comms.ep().size()) + "@epoch" + std::to_string(comms.epoch()));
   add("placement_generation", std::to_string(layer.placement().generation()));
+  add("physical_slots", std::to_string(layer.placement().num_slots()));
   add("checkpoint", layer.checkpoint());
   add("d", std::to_string(c.hidden));
   add("k", std::to_string(c.router.top_k));
@@ -216,8 +217,20 @@ class DecodeBucket {
   BucketConfig const& capacity() const { return capacity_; }
   GraphKey const& key() const { return key_; }
   /// \brief Re-records the key from a layer (a new placement generation or
-  /// checkpoint the caller accepts); the buffers stay where they are.
-  void rebind(layer_type const& layer) { key_ = graph_key(layer, capacity_); }
+  /// checkpoint the caller accepts; its slot count may differ); the buffers
+  /// stay where they are, so d, k and the expert count must not change.
+  /// Collective over the layer's EP group.
+  void rebind(layer_type const& layer) {
+    auto const& c = layer.config();
+    collective(layer.communicators().ep().comm(), "decode bucket rebind", [&] {
+      KOKKOSMOE_REQUIRE(c.hidden == d_ && c.router.top_k == k_ && c.router.num_experts == E_,
+                        "decode bucket rebind: the layer has d " << c.hidden << ", k " << c.router.top_k << ", " << c.router.num_experts
+                                                                 << " experts; the bucket's buffers are for d " << d_ << ", k " << k_
+                                                                 << ", " << E_ << " experts");
+    }, c.exchange.watchdog_seconds);
+    S_ = layer.placement().num_slots();
+    key_ = graph_key(layer, capacity_);
+  }
 
   /// \brief Releases the buffers (steps are refused with
   /// stable_buffer_unavailable until reserve()).
