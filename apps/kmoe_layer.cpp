@@ -2,7 +2,8 @@
 //
 //   mpiexec -n 4 kmoe-layer inputs/quickstart.toml [--steps N] [--report file.json]
 //
-// Rank 0 echoes the build, the Kokkos configuration and the resolved deck,
+// Rank 0 echoes the build and the deck (with --verbose the Kokkos
+// configuration and the resolved deck, which the report always holds),
 // prints a progress line on long runs, a per-stage summary (and, with
 // [run] compare = [...], the algorithms side by side on the same routes with
 // an output check), writes the JSON report and the HDF5 time series, and ends
@@ -19,6 +20,9 @@
 // optimizer step; the report's "train" object holds the loss, gradient norm
 // and balance loss per step and the backward's stage seconds, and the run
 // ends with: TRAIN steps=N loss_first=... loss_last=... loss_ratio=...
+//
+// With [run] mode = "serve" the deck's [[serve.step]] sequence runs on a
+// decode bucket (kmoe_layer_serve.cpp), ending with SERVE steps=N ...
 //
 // With an EPLB placement and [placement] rebalance_every = N (or
 // --rebalance-every N), every N steps the routes those steps observed on all
@@ -39,6 +43,7 @@
 #include <KokkosMoE_Version.hpp>
 
 #include "kmoe_app.hpp"
+#include "kmoe_layer_serve.hpp"
 
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
@@ -70,6 +75,7 @@ struct Options {
   std::string algorithm;
   int rebalance_every = -1;
   bool print_output = false;
+  bool verbose = false;
 };
 
 /// One live rebalancing of the routed experts.
@@ -798,6 +804,7 @@ int main(int argc, char* argv[]) {
                    "rebalance the EPLB placement every N steps, 0 never (overrides [placement] rebalance_every)")
         ->check(CLI::NonNegativeNumber);
     app.add_flag("--print-output", opt.print_output, "print every rank's output rows after the last step");
+    app.add_flag("--verbose", opt.verbose, "print Kokkos's configuration and the resolved deck first");
     if (int const rc = kmoe_app::parse(app, argc, argv, rank); rc >= 0) return rc;
     auto deck = read_layer_deck(MPI_COMM_WORLD, opt.deck);
     if (!transport.empty()) {
@@ -809,12 +816,22 @@ int main(int argc, char* argv[]) {
     if (!experts_gemm.empty()) deck.experts.gemm = from_string<GemmPath>(experts_gemm);
     if (rank == 0) {
       std::cout << build_summary() << "\n";
-      print_kokkos_configuration(std::cout);
-      std::cout << deck.resolved() << std::flush;
+      if (opt.verbose) {
+        print_kokkos_configuration(std::cout);
+        std::cout << deck.resolved() << std::flush;
+      } else {
+        std::cout << "deck: " << deck.path << " (resolved in the report; --verbose prints it)\n" << std::flush;
+      }
     }
     KOKKOSMOE_REQUIRE(deck.run.mode != "train" || opt.rebalance_every <= 0,
                       "--rebalance-every is not read with run.mode = \"train\" (" << deck.path << ")");
     if (deck.run.mode == "train") return train(deck, opt);
+    if (deck.run.mode == "serve") {
+      KOKKOSMOE_REQUIRE(opt.steps < 0 && opt.warmup < 0 && opt.rebalance_every < 0 && opt.hdf5.empty() && opt.record_routes.empty(),
+                        "--steps, --warmup, --rebalance-every, --hdf5 and --record-routes are not read with run.mode = \"serve\" ("
+                            << deck.path << "; the steps are [[serve.step]])");
+      return kmoe_layer::serve(deck, opt.report.empty() ? deck.run.report : opt.report);
+    }
     if (deck.model.dtype == "bf16") return LayerRun<bf16_t>(deck, opt).run();
     return LayerRun<float>(deck, opt).run();
   });

@@ -99,6 +99,15 @@ TEST_CASE("errors name file, line, column and key", "[deck]") {
   KMOE_DECK_ERROR("[experts]\nkernel = \"cuda\"\n", 1, "key 'experts.kernel': 'cuda' is not one of 'auto' 'host_simd' 'portable' 'vendor'");
   KMOE_DECK_ERROR("[train]\nproducts = \"bf16\"\n", 1, "d.toml:2:12: key 'train.products': is read only with run.mode = \"train\"");
   KMOE_DECK_ERROR("[run]\nmode = \"train\"\n[train]\nproducts = \"fp16\"\n", 1, "key 'train.products': 'fp16' is not one of 'fp32' 'bf16'");
+  KMOE_DECK_ERROR("[serve]\nrank_tokens = 4\n", 1, "d.toml:2:15: key 'serve.rank_tokens': is read only with run.mode = \"serve\"");
+  KMOE_DECK_ERROR("[run]\nmode = \"serve\"\n[serve]\nrank_tokens = 0\n", 1, "key 'serve.rank_tokens': = 0 is out of range");
+  KMOE_DECK_ERROR("[run]\nmode = \"serve\"\n[[serve.step]]\ntokens = [1, 2, 3]\n", 2,
+                  "key 'serve.step[0].tokens': of step 0 has 3 entries; give one per rank (2) or one for every rank");
+  KMOE_DECK_ERROR("[run]\nmode = \"serve\"\n[[serve.step]]\nprefill = [1]\n", 1, "of step 0 is missing (decode rows per rank)");
+  KMOE_DECK_ERROR("[run]\nmode = \"serve\"\n[[serve.step]]\ntokens = [1]\nphase = \"decode\"\n", 1, "phase");
+  KMOE_DECK_ERROR("[run]\nmode = \"serve\"\n[router]\nadmission = \"expert_capacity\"\n", 1,
+                  "key 'router.admission': must be \"dropless\" with run.mode = \"serve\"");
+  KMOE_DECK_ERROR("[run]\nmode = \"serve\"\n[tokens]\nsource = \"uniform\"\n", 1, "needs tokens.source = \"router\"");
   // A user's string is shown shortened.
   KMOE_DECK_ERROR("[exchange]\nalgorithm = \"" + std::string(5000, 'x') + "\"\n", 1, "... (5000 characters)' is not one of");
 }

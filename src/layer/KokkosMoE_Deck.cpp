@@ -110,7 +110,7 @@ void parse_run(Reader& r, LayerDeck& d) {
   d.run.schedule = r.option<ScheduleKind>("run.schedule", ScheduleKind::serial);
   bool const chunked = d.run.schedule == ScheduleKind::chunked || d.run.schedule == ScheduleKind::chunked_shared_overlap;
   d.run.chunks = static_cast<int>(r.integer("run.chunks", chunked ? 2 : 1, 1, 1024));
-  d.run.mode = r.choice("run.mode", "forward", {"forward", "train"});
+  d.run.mode = r.choice("run.mode", "forward", {"forward", "train", "serve"});
   d.train.optimizer = r.choice("train.optimizer", "adam", {"adam", "sgd"});
   d.train.learning_rate = r.real("train.learning_rate", 1e-2, 0.0, 1e6, true);
   d.train.teacher_seed = static_cast<std::uint64_t>(r.integer("train.teacher_seed", 0, 0, std::numeric_limits<std::int64_t>::max()));
@@ -130,6 +130,52 @@ void parse_run(Reader& r, LayerDeck& d) {
   if (!chunked && d.run.chunks != 1)
     r.fail("run.chunks", "= " + std::to_string(d.run.chunks) + " needs a chunked schedule (run.schedule is '" + to_string(d.run.schedule) +
                              "'; use 'chunked' or 'chunked_shared_overlap')");
+}
+
+/// [serve]: read only with run.mode = "serve"; needs [model] (top_k) and the rank count.
+void parse_serve(Reader& r, LayerDeck& d, int ranks) {
+  auto& sv = d.serve;
+  if (d.run.mode != "serve") {
+    for (char const* key : {"serve.rank_tokens", "serve.slot_routes", "serve.check", "serve.repeat", "serve.step"})
+      if (r.has(key)) r.fail(key, "is read only with run.mode = \"serve\"");
+    return;
+  }
+  sv.rank_tokens = r.integer("serve.rank_tokens", sv.rank_tokens, 1, 1 << 24);
+  sv.slot_routes = r.integer("serve.slot_routes", 0, 0, big);
+  if (sv.slot_routes == 0) sv.slot_routes = static_cast<index_t>(ranks) * sv.rank_tokens * d.model.top_k;
+  sv.check = r.boolean("serve.check", true);
+  sv.repeat = static_cast<int>(r.integer("serve.repeat", 1, 1, big));
+  // One entry per rank, or one entry for every rank.
+  auto per_rank = [&](Reader& t, std::size_t i, char const* key) {
+    auto const v = t.integers(key, 0, 1 << 24);
+    if (v.empty()) return std::vector<index_t>(static_cast<std::size_t>(ranks), 0);
+    if (v.size() != 1 && static_cast<int>(v.size()) != ranks)
+      t.fail(key, "of step " + std::to_string(i) + " has " + std::to_string(v.size()) + " entries; give one per rank (" +
+                      std::to_string(ranks) + ") or one for every rank");
+    std::vector<index_t> out(static_cast<std::size_t>(ranks));
+    for (int p = 0; p < ranks; ++p) out[static_cast<std::size_t>(p)] = static_cast<index_t>(v.size() == 1 ? v[0] : v[static_cast<std::size_t>(p)]);
+    return out;
+  };
+  r.tables("serve.step", [&](Reader& t, std::size_t i) {
+    if (!t.has("tokens")) t.fail("tokens", "of step " + std::to_string(i) + " is missing (decode rows per rank)");
+    LayerDeck::Serve::Step step;
+    step.decode = per_rank(t, i, "tokens");
+    step.prefill = per_rank(t, i, "prefill");
+    sv.steps.push_back(std::move(step));
+  });
+  if (sv.steps.empty())
+    for (index_t t = 1;; t = std::min(2 * t, sv.rank_tokens)) {
+      sv.steps.push_back({std::vector<index_t>(static_cast<std::size_t>(ranks), t), std::vector<index_t>(static_cast<std::size_t>(ranks), 0)});
+      if (t == sv.rank_tokens) break;
+    }
+  if (d.tokens.source != "router")
+    r.fail("run.mode", "= \"serve\" draws every step's rows: it needs tokens.source = \"router\" (got \"" + d.tokens.source + "\")");
+  if (d.router.admission.policy != AdmissionPolicy::dropless)
+    r.fail("router.admission", "must be \"dropless\" with run.mode = \"serve\" (padding rows would compete for expert capacity)");
+  if (!d.run.compare.empty()) r.fail("run.compare", "is not read with run.mode = \"serve\"");
+  if (d.run.schedule != ScheduleKind::serial) r.fail("run.schedule", "must be \"serial\" with run.mode = \"serve\"");
+  if (d.placement.rebalance_every != 0) r.fail("placement.rebalance_every", "is not read with run.mode = \"serve\"");
+  if (!d.run.record_routes.empty()) r.fail("run.record_routes", "is not read with run.mode = \"serve\"");
 }
 
 /// [model]
@@ -519,6 +565,7 @@ LayerDeck parse_layer_deck(std::string const& path, std::string const& text, int
   parse_placement(r, d, ranks);
   parse_exchange(r, d);
   parse_experts(r, d);
+  parse_serve(r, d, ranks);
   if (d.run.mode == "train") {
     // What the layer's backward covers.
     if (d.model.dtype != "fp32") r.fail("run.mode", "= \"train\" needs model.dtype = \"fp32\" (got \"" + d.model.dtype + "\")");
@@ -615,6 +662,18 @@ std::string LayerDeck::resolved() const {
      << "\nkernel = " << quoted(to_string(experts.kernel)) << "\ndecode_rows = " << experts.decode_rows << "\nweights = " << quoted(experts.weights)
      << "\nsave_weights = " << quoted(experts.save_weights) << "\nscales = " << toml_list_of(experts.scales) << "\n";
   if (simulate.ranks > 0) os << "\n[simulate]\nranks = " << simulate.ranks << "\n";
+  if (run.mode == "serve") {
+    os << "\n[serve]\nrank_tokens = " << serve.rank_tokens << "\nslot_routes = " << serve.slot_routes
+       << "\ncheck = " << (serve.check ? "true" : "false") << "\nrepeat = " << serve.repeat << "\n";
+    auto list = [](std::vector<index_t> const& v) {
+      std::ostringstream l;
+      l << "[";
+      for (std::size_t i = 0; i < v.size(); ++i) l << (i ? ", " : "") << v[i];
+      l << "]";
+      return l.str();
+    };
+    for (auto const& st : serve.steps) os << "\n[[serve.step]]\ntokens = " << list(st.decode) << "\nprefill = " << list(st.prefill) << "\n";
+  }
   return os.str();
 }
 

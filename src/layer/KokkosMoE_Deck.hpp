@@ -69,7 +69,7 @@ struct LayerDeck {
     std::vector<KokkosMoE::Exchange::Algorithm> compare;  ///< algorithms run side by side on the same routes
     ScheduleKind schedule = ScheduleKind::serial;  ///< how a step's tasks overlap
     int chunks = 1;                                ///< token ranges of a chunked step
-    std::string mode = "forward";                  ///< "forward", or "train" (against a teacher, [train])
+    std::string mode = "forward";                  ///< "forward", "train" (against a teacher, [train]) or "serve" ([serve])
   } run;
 
   /// [train]: run.mode = "train" (see KokkosMoE_Train.hpp).
@@ -84,6 +84,19 @@ struct LayerDeck {
     bool reproducible_shared = false;  ///< shared experts' gradients summed reproducibly too
     std::string products = "fp32";     ///< the experts' training GEMMs: "fp32" or "bf16" operands
   } train;
+
+  /// [serve]: run.mode = "serve", steps on a decode bucket (KokkosMoE_Serve.hpp).
+  struct Serve {
+    index_t rank_tokens = 4;  ///< Ct: decode tokens per rank the bucket holds
+    index_t slot_routes = 0;  ///< Cr: routes per physical slot per step (0: ranks * rank_tokens * top_k, never refusing)
+    bool check = true;        ///< every step also runs the ordinary path; outputs must have its bits
+    int repeat = 1;           ///< the step sequence runs this many times
+    struct Step {
+      std::vector<index_t> decode;   ///< decode rows per rank
+      std::vector<index_t> prefill;  ///< prefill rows per rank, before the decode rows (a mixed batch)
+    };
+    std::vector<Step> steps;  ///< [[serve.step]] (default: decode steps of 1, 2, 4, ... rank_tokens rows)
+  } serve;
 
   struct Model {
     int hidden = 64;
