@@ -26,10 +26,29 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace kmoe_app {
+
+/// Slowest rank's time of every stage (same key set on every rank).
+inline std::map<std::string, double> slowest(std::map<std::string, double> const& local, MPI_Comm comm, double watchdog) {
+  std::vector<std::string> keys;
+  for (auto const& kv : local) keys.push_back(kv.first);
+  std::vector<double> v, out;
+  for (auto const& k : keys) v.push_back(local.at(k));
+  int n = static_cast<int>(v.size()), nmax = 0;
+  KokkosMoE::allreduce_watched(&n, &nmax, 1, MPI_INT, MPI_MAX, comm, "stage time reduction", watchdog);
+  KOKKOSMOE_REQUIRE(n == nmax, "ranks timed different stages (" << n << " vs " << nmax << ")");
+  out.resize(v.size());
+  KokkosMoE::allreduce_watched(v.data(), out.data(), n, MPI_DOUBLE, MPI_MAX, comm, "stage time reduction", watchdog);
+  std::map<std::string, double> r;
+  for (std::size_t i = 0; i < keys.size(); ++i) r[keys[i]] = out[i];
+  return r;
+}
+
 
 /// Collective: every rank was started with the same arguments (a job whose
 /// ranks run different steps or decks would wait in different calls). Throws
