@@ -87,20 +87,23 @@ double pingpong(Topology::Communicator const& comm, int partner, std::size_t byt
   return slowest;
 }
 
-/// Seconds of `bytes` sent to `partner` while as many arrive from it (both
-/// directions at once, as an exchange loads a link), the median of reps, the
-/// slowest pair's; -1: this rank idles.
-double both_ways(Topology::Communicator const& comm, int partner, std::size_t bytes, int reps, TransportOptions const& o,
-                 double watchdog) {
-  std::vector<unsigned char> out(std::max<std::size_t>(bytes, 1), 1), in(out.size(), 0);
+/// Seconds of `bytes` sent to every rank of `partners` while as many arrive
+/// from each (both directions at once, every pair at once, as an exchange
+/// stage loads a link), the median of reps, the slowest rank's; a rank with
+/// no partners idles.
+double both_ways(Topology::Communicator const& comm, std::vector<int> const& partners, std::size_t bytes, int reps,
+                 TransportOptions const& o, double watchdog) {
+  std::size_t const n = std::max<std::size_t>(bytes, 1);
+  std::vector<unsigned char> out(n * std::max<std::size_t>(partners.size(), 1), 1), in(out.size(), 0);
   std::vector<double> t;
-  if (partner >= 0) {
-    int const peer = comm.slot_of(partner);
+  if (!partners.empty()) {
     for (int i = 0; i < reps + 1; ++i) {
       Kokkos::Timer timer;
       std::vector<Exchange::Impl::Pending> p;
-      Exchange::Impl::post(comm, true, in.data(), static_cast<int>(bytes), MPI_BYTE, peer, 6991, p, o);
-      Exchange::Impl::post(comm, false, out.data(), static_cast<int>(bytes), MPI_BYTE, peer, 6991, p, o);
+      for (std::size_t q = 0; q < partners.size(); ++q)
+        Exchange::Impl::post(comm, true, in.data() + q * n, static_cast<int>(bytes), MPI_BYTE, comm.slot_of(partners[q]), 6991, p, o);
+      for (std::size_t q = 0; q < partners.size(); ++q)
+        Exchange::Impl::post(comm, false, out.data() + q * n, static_cast<int>(bytes), MPI_BYTE, comm.slot_of(partners[q]), 6991, p, o);
       Exchange::Impl::wait_all(comm, p, "calibrate both ways", o);
       if (i > 0) t.push_back(timer.seconds());
     }
@@ -254,25 +257,46 @@ int run(int argc, char** argv) {
   if (flags[0] == 0) model.intra_node = model.inter_node;  // one rank per node: no intra-node pairs to measure
   if (flags[1] == 0) model.inter_node = model.intra_node;  // one node
   double nic_stated_mib = 0;
-  // Nodes on different hosts share their host's network link. Its time per
-  // byte is that of every rank of a host with its partner across, both ways
-  // at once (an exchange loads a link in both directions: data out, the
-  // acknowledgements of the data in), per byte of all their traffic (and
-  // per message of one of them): the nic cost, which is also the inter_node
-  // cost of a rank alone on the link (a relay).
+  // Nodes on different hosts share their host's network link, loaded both
+  // ways at once by an exchange (data out, the acknowledgements of the data
+  // in). Its time per byte one way of all the traffic (and per message of
+  // one rank's) is measured twice, as an exchange stage may load it: every
+  // rank of the first two nodes with its partner across (one connection
+  // pair per rank: nic_one_pair), and with every rank across at once (all
+  // pairs: nic_all_pairs). The faster link is the nic cost: one TCP
+  // connection alone may not fill a fast link, and many may collide in a
+  // slow one's queue. It is also the inter_node cost of a rank alone on the
+  // link (a relay).
   bool const real_hosts = !deck.topology.fabric.enabled() && topo.kind() == Topology::LayoutKind::hwloc && topo.num_nodes() >= 2 &&
                           topo.rank(topo.ranks_of_node(0).front()).host != topo.rank(topo.ranks_of_node(1).front()).host;
   if ((deck.topology.fabric.enabled() || real_hosts) && topo.num_nodes() >= 2) {
     int const a = topo.ranks_of_node(0).front(), b = topo.ranks_of_node(1).front();
     int const partner = rank == a ? b : rank == b ? a : -1;
     if (real_hosts) {
-      double const pairs = static_cast<double>(std::min(topo.ranks_of_node(0).size(), topo.ranks_of_node(1).size()));
-      std::vector<std::pair<double, double>> p;
-      for (auto bytes : sizes) p.push_back({pairs * static_cast<double>(bytes), both_ways(ep, inter, bytes, o.reps, plain, watchdog)});
-      model.nic = fit("nic", p);
+      auto const& n0 = topo.ranks_of_node(0);
+      auto const& n1 = topo.ranks_of_node(1);
+      std::vector<int> across, one;
+      if (node == 0) across = n1;
+      if (node == 1) across = n0;
+      if (inter >= 0 && node < 2) one = {inter};
+      auto link_of = [&](char const* name, std::vector<int> const& partners, double pairs, double messages) {
+        std::vector<std::pair<double, double>> p;
+        for (auto bytes : sizes) p.push_back({pairs * static_cast<double>(bytes), both_ways(ep, partners, bytes, o.reps, plain, watchdog)});
+        auto l = fit(name, p);
+        l.alpha_s /= messages;
+        return l;
+      };
+      auto const one_pair = link_of("nic_one_pair", one, static_cast<double>(std::min(n0.size(), n1.size())), 1.0);
+      auto const all_pairs = link_of("nic_all_pairs", across, static_cast<double>(n0.size() * n1.size()), static_cast<double>(n1.size()));
+      model.nic = all_pairs.beta_s_per_byte < one_pair.beta_s_per_byte ? all_pairs : one_pair;
       model.inter_node = model.nic;
-      model.nic.alpha_s /= pairs;
+      model.inter_node.alpha_s = model.nic.alpha_s * (all_pairs.beta_s_per_byte < one_pair.beta_s_per_byte ? static_cast<double>(n1.size()) : 1.0);
       model.nics_per_node = 1;
+      if (rank == 0)
+        std::printf("# calibrate: host link %.4g GB/s with one connection pair per rank, %.4g GB/s with all pairs; the model takes %s\n",
+                    one_pair.beta_s_per_byte > 0 ? 1e-9 / one_pair.beta_s_per_byte : 0.0,
+                    all_pairs.beta_s_per_byte > 0 ? 1e-9 / all_pairs.beta_s_per_byte : 0.0,
+                    all_pairs.beta_s_per_byte < one_pair.beta_s_per_byte ? "all pairs" : "one pair");
     } else {
       model.nic = measure("nic", partner, with_fabric, true);
       nic_stated_mib = 1e-9 * static_cast<double>(deck.topology.fabric.cost_ns(true, 1 << 20));

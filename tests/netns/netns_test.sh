@@ -112,6 +112,9 @@ run_exchange_planner() {  # tag
 case "$case_name" in
   outputs)
     "$cluster" up 2 || fail "netns-cluster up failed"
+    # Later commands find the cluster's networks from its state alone.
+    env -u KMOE_NETNS_NET "$cluster" status > "$work/status.log" 2>&1 || { cat "$work/status.log"; fail "netns-cluster status failed"; }
+    grep -q "^$name-h1  198\.18\.$KMOE_NETNS_NET\.2/24" "$work/status.log" || { cat "$work/status.log"; fail "netns-cluster status: wrong networks"; }
     "$cluster" mpiexec -n 4 "$apps/kmoe-topo" --json "$work/topo.json" > "$work/topo.log" 2>&1 ||
       { cat "$work/topo.log"; fail "kmoe-topo across the hosts failed"; }
     cat "$work/topo.log"
