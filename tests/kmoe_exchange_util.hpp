@@ -9,6 +9,7 @@
 #include "kmoe_sim.hpp"
 
 #include <KokkosMoE_Exchange.hpp>
+#include <KokkosMoE_Exchange_Planner.hpp>
 
 #include <numeric>
 #include <random>
@@ -136,6 +137,47 @@ inline HostRoutes random_routes(Dist dist, int rank, int size, int experts, int 
   }
   tokens_out = tokens;
   return h;
+}
+
+/// The planner tests' cluster: nodes of half the ranks (one node for one
+/// rank or an odd count), 3 P + 1 experts round robin plus a replica of
+/// expert 1 on the last rank, every expert's scale 1.5.
+struct PlannerLayout {
+  int rpn;
+  KokkosMoE::Topology::Topology topo;
+  std::vector<int> nor;
+  int experts;
+  KokkosMoE::Placement placement;
+  std::vector<float> scale;
+  explicit PlannerLayout(int size)
+      : rpn(size % 2 == 0 && size > 1 ? size / 2 : size),
+        topo(nodes_of(rpn)),
+        nor(nodes_vector(topo)),
+        experts(3 * size + 1),
+        placement(round_robin_with_replica(experts, 1, nor)),
+        scale(static_cast<std::size_t>(experts), 1.5f) {}
+};
+
+/// One case's top-3 routes of `dist` (drawn from seed + rank + 10 dist),
+/// this rank's route plan and every rank's, gathered: what the planner
+/// reads. Collective over MPI_COMM_WORLD.
+struct PlannerRoutes {
+  HostRoutes routes;
+  int tokens = 0;
+  KokkosMoE::RoutePlan<MS> mine;
+  KokkosMoE::Exchange::RankRoutePlans all;
+};
+inline PlannerRoutes planner_routes(PlannerLayout const& l, Dist dist, unsigned seed, int rank, int size) {
+  using namespace KokkosMoE;
+  PlannerRoutes r;
+  std::mt19937 rng(seed + static_cast<unsigned>(rank) + 10u * static_cast<unsigned>(dist));
+  r.routes = random_routes(dist, rank, size, l.experts, 3, rng, r.tokens);
+  Kokkos::DefaultExecutionSpace exec;
+  auto table = make_table(r.routes, l.experts);
+  r.mine = make_route_plan(exec, table, make_device_placement<MS>(l.placement),
+                           make_replica_choice<MS>(l.placement, rank, l.nor[static_cast<std::size_t>(rank)]), rank);
+  r.all = Exchange::allgather_routes(MPI_COMM_WORLD, r.mine);
+  return r;
 }
 
 /// One step through an exchange (any algorithm of the contract) built on

@@ -657,21 +657,19 @@ std::string untimed(ByteLedger l) {
 TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][planner]") {
   int const size = world_size();
   int const rank = world_rank();
-  int const rpn = size % 2 == 0 && size > 1 ? size / 2 : size;
-  auto topo = nodes_of(rpn);
-  auto const nor = nodes_vector(topo);
-  int const experts = 3 * size + 1;
-  auto const placement = round_robin_with_replica(experts, 1, nor);
-  std::vector<float> scale(static_cast<std::size_t>(experts), 1.5f);
+  PlannerLayout const layout(size);
+  // (References, not structured bindings: C++17 lambdas cannot capture those.)
+  int const rpn = layout.rpn;
+  auto const& topo = layout.topo;
+  auto const& nor = layout.nor;
+  auto const& placement = layout.placement;
+  auto const& scale = layout.scale;
   for (Dist dist : {Dist::uniform, Dist::hot_expert}) {
-    std::mt19937 rng(55u + static_cast<unsigned>(rank) + 10u * static_cast<unsigned>(dist));
-    int tokens = 0;
-    auto routes = random_routes(dist, rank, size, experts, 3, rng, tokens);
-    // Every rank's route plan, gathered: what the planner reads.
-    Exec exec;
-    auto table = make_table(routes, experts);
-    auto rp = make_route_plan(exec, table, make_device_placement<MS>(placement), make_replica_choice<MS>(placement, rank, nor[rank]), rank);
-    auto const rr = allgather_routes(MPI_COMM_WORLD, rp);
+    auto const pr = planner_routes(layout, dist, 55u, rank, size);
+    auto const& routes = pr.routes;
+    int const tokens = pr.tokens;
+    auto const& rp = pr.mine;
+    auto const& rr = pr.all;
     REQUIRE(static_cast<int>(rr.size()) == size);
     CHECK(to_host_vector(rr[static_cast<std::size_t>(rank)].dest_rank) == to_host_vector(rp.dest_rank));
     CHECK(to_host_vector(rr[static_cast<std::size_t>(rank)].gate) == to_host_vector(rp.gate));

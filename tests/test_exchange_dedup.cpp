@@ -178,20 +178,18 @@ TEST_CASE("hierarchical_dedup: the documented summation tree bit for bit, the fl
 TEST_CASE("hierarchical_dedup: the planner predicts every measured ledger exactly, pairs included", "[exchange][dedup][planner]") {
   int const size = world_size();
   int const rank = world_rank();
-  int const rpn = size % 2 == 0 && size > 1 ? size / 2 : size;
-  auto topo = nodes_of(rpn);
-  auto const nor = nodes_vector(topo);
-  int const experts = 3 * size + 1;
-  auto const placement = round_robin_with_replica(experts, 1, nor);
-  std::vector<float> scale(static_cast<std::size_t>(experts), 1.5f);
+  PlannerLayout const layout(size);
+  // (References, not structured bindings: C++17 lambdas cannot capture those.)
+  int const rpn = layout.rpn;
+  auto const& topo = layout.topo;
+  auto const& nor = layout.nor;
+  auto const& placement = layout.placement;
+  auto const& scale = layout.scale;
   for (Dist dist : {Dist::uniform, Dist::empty_ranks, Dist::hot_expert}) {
-    std::mt19937 rng(77u + static_cast<unsigned>(rank) + 10u * static_cast<unsigned>(dist));
-    int tokens = 0;
-    auto routes = random_routes(dist, rank, size, experts, 3, rng, tokens);
-    Exec exec;
-    auto table = make_table(routes, experts);
-    auto rp = make_route_plan(exec, table, make_device_placement<MS>(placement), make_replica_choice<MS>(placement, rank, nor[rank]), rank);
-    auto const rr = allgather_routes(MPI_COMM_WORLD, rp);
+    auto const pr = planner_routes(layout, dist, 77u, rank, size);
+    auto const& routes = pr.routes;
+    int const tokens = pr.tokens;
+    auto const& rr = pr.all;
     for (int R : {1, rpn >= 2 ? 2 : 1}) {
       RowMatrix<float, MS> hidden("hidden", tokens, 16);
       Kokkos::deep_copy(hidden, 0.5f);
