@@ -158,6 +158,8 @@ int serve_run(LayerDeck const& deck, std::string const& report_path) {
     }
   json ledger = json::array();
   for (auto const& b : bucket.ledger()) ledger.push_back({{"name", b.name}, {"bytes", b.bytes}});
+  json held = json::array();  // the layer's reused buffers, after the whole sequence
+  for (auto const& b : bucket.step_ledger(layer)) held.push_back({{"name", b.name}, {"bytes", b.bytes}});
   double const tokens_per_s = seconds > 0 ? static_cast<double>(total.useful_tokens) / seconds : 0.0;
   json report;
   report["build"] = build_summary();
@@ -171,6 +173,7 @@ int serve_run(LayerDeck const& deck, std::string const& report_path) {
                      {"graph_key", bucket.key().digest()},
                      {"reserved", ledger},
                      {"reserved_bytes", bucket.reserved_bytes()},
+                     {"step_ledger", held},
                      {"steps", steps},
                      {"admitted", admitted},
                      {"refused", refused},

@@ -76,6 +76,8 @@ class AnyExchange {
   virtual void combine_finish(Exec const& exec, DispatchHandle<T, MemorySpace>& handle) = 0;
   /// True when dispatch_start returns before the rows have moved.
   virtual bool overlaps() const = 0;
+  /// Bytes of the buffers the exchange keeps between steps.
+  virtual std::int64_t held_bytes() const = 0;
   virtual ExchangeConfig const& config() const = 0;
   virtual Topology::CommunicatorSet const& communicators() const = 0;
 };
@@ -145,6 +147,7 @@ class ExchangeModel final : public AnyExchange<T, Exec, MS> {
     }
   }
   bool overlaps() const override { return starts; }
+  std::int64_t held_bytes() const override { return x_.held_bytes(); }
   ExchangeConfig const& config() const override { return x_.config(); }
   Topology::CommunicatorSet const& communicators() const override { return x_.communicators(); }
 

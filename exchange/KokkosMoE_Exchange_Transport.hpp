@@ -398,6 +398,8 @@ class Transport {
   /// (no receive runs; a peer sends one run). MPI receives work so (not
   /// with pair_runs); NCCL pairs sends and receives of equal sizes only.
   virtual bool receives_up_to() const { return false; }
+  /// Bytes of the buffers the transport keeps between calls (host staging).
+  virtual std::int64_t held_bytes() const { return 0; }
   /// True when a peer's runs may travel as one message whose two sides cut
   /// it into different runs (RowSet::one_message): MPI's derived datatypes
   /// do (not with pair_runs); NCCL pairs sends and receives of equal
@@ -439,6 +441,8 @@ class MpiTransport final : public Transport<Exec, MemorySpace> {
                                TransportOptions const& options) override {
     return mpi_alltoallv_rows(exec, comm, sets, send_counts, recv_counts, what, paired(options), /*start=*/true, &staging_);
   }
+
+  std::int64_t held_bytes() const override { return staging_.held_bytes(); }
 
  private:
   TransportOptions paired(TransportOptions const& options) const {

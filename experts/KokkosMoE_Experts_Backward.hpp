@@ -308,6 +308,9 @@ class Backward {
     return ledger;
   }
 
+  /// Bytes of the buffers kept between calls.
+  std::int64_t held_bytes() const { return ws_.held_bytes(); }
+
  private:
   using float_matrix = Impl::Unmanaged2D<float, MemorySpace>;
   using const_float_matrix = Impl::Unmanaged2D<float const, MemorySpace>;

@@ -356,6 +356,9 @@ class Runner {
     return run(ExecutionSpace(), weights, X, offsets, Y);
   }
 
+  /// Bytes of the buffers kept between calls.
+  std::int64_t held_bytes() const { return ws_.held_bytes(); }
+
  private:
   using offsets_view = Kokkos::View<index_t*, MemorySpace>;
 

@@ -155,6 +155,7 @@ TEST_CASE("an admitted decode step replays on the bucket with the ordinary path'
   RowMatrix<float, MS> again("again", n, 3);
   ServeRecord rec2;
   std::string allocated;
+  auto const held_before = bucket.step_ledger(*p.layer);
   {
     AllocationLog log;
     rec2 = bucket.step_routes(exec, *p.layer, x, table, again, Phase::decode);
@@ -163,6 +164,18 @@ TEST_CASE("an admitted decode step replays on the bucket with the ordinary path'
   INFO(allocated);
   CHECK(allocated.empty());
   CHECK(rec2.replayed);
+  // The step's ledger: the bucket's buffers, then the layer's reused ones
+  // (the exchange's among them), unchanged by the replay.
+  auto const held_after = bucket.step_ledger(*p.layer);
+  REQUIRE(held_after.size() == held_before.size());
+  std::int64_t exchange_bytes = 0;
+  for (std::size_t i = 0; i < held_after.size(); ++i) {
+    CHECK(held_after[i].name == held_before[i].name);
+    CHECK(held_after[i].bytes == held_before[i].bytes);
+    if (held_after[i].name.rfind("layer:exchange_", 0) == 0) exchange_bytes += held_after[i].bytes;
+  }
+  CHECK(held_after[0].name == "hidden");
+  CHECK(exchange_bytes > 0);
   CHECK(kmoe_test::same_bits(host(out), host(again)));
   // The reserved payload is the fixed buffers', named.
   auto const ledger = bucket.ledger();

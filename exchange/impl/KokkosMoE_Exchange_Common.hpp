@@ -189,6 +189,10 @@ class ExchangeBase {
            KokkosMoE::Impl::same_representation<T>(config_.return_payload);
   }
 
+  /// Bytes of the buffers this exchange keeps between steps (its
+  /// workspace and its transport's staging).
+  std::int64_t held_bytes() const { return work_.held_bytes() + transport_->held_bytes(); }
+
  protected:
   /// Keeps a reference to comms (which must outlive the exchange) and a copy
   /// of the placement generation it moves rows for. With a registry, every

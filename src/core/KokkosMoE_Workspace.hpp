@@ -78,7 +78,8 @@ class Workspace {
         pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(grow));
       }
       V fresh = allocate<V>(exec, prefix_ + "::" + label, extent, n1);
-      pool.push_back(Entry{std::move(fresh), &use_count_of<V>});
+      auto const bytes = static_cast<std::int64_t>(fresh.span() * sizeof(typename V::value_type));
+      pool.push_back(Entry{std::move(fresh), &use_count_of<V>, bytes});
       fit = pool.size() - 1;
     }
     V const& held = *of_shape(pool[fit]);
@@ -110,6 +111,14 @@ class Workspace {
   /// \brief Number of labels.
   std::size_t size() const { return buffers_.size(); }
 
+  /// \brief Bytes of every buffer this workspace holds.
+  std::int64_t held_bytes() const {
+    std::int64_t b = 0;
+    for (auto const& [label, pool] : buffers_)
+      for (auto const& e : pool) b += e.bytes;
+    return b;
+  }
+
   /// \brief Number of buffers under a label (0 for an unknown one).
   std::size_t buffers(std::string const& label) const {
     auto const it = buffers_.find(label);
@@ -121,6 +130,7 @@ class Workspace {
   struct Entry {
     std::any view;
     long (*use_count)(std::any const&) = nullptr;
+    std::int64_t bytes = 0;
   };
   template <class V>
   static long use_count_of(std::any const& a) {

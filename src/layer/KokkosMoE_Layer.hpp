@@ -209,6 +209,21 @@ class MoELayer {
   /// drew them): part of a decode bucket's graph key. "" until set.
   std::string const& checkpoint() const { return checkpoint_; }
   void set_checkpoint(std::string identity) { checkpoint_ = std::move(identity); }
+
+  /// \brief Bytes of the buffers this rank's layer keeps between steps, by
+  /// owner: its workspace, the router's, the routed and shared runners', the
+  /// backward's, and each exchange's ("exchange_<algorithm>": workspace and
+  /// transport staging). They grow to the largest step seen and are reused.
+  std::vector<std::pair<std::string, std::int64_t>> held_buffers() const {
+    std::vector<std::pair<std::string, std::int64_t>> v{{"layer", work_.held_bytes()},
+                                                        {"router", router_.held_bytes()},
+                                                        {"routed_runner", runner_.held_bytes()},
+                                                        {"shared_runner", shared_runner_.held_bytes()},
+                                                        {"backward", backward_.held_bytes()}};
+    for (auto const& [a, x] : exchanges_) v.emplace_back("exchange_" + to_string(a), x->held_bytes());
+    for (auto const& [a, x] : gradient_exchanges_) v.emplace_back("gradient_exchange_" + to_string(a), x->held_bytes());
+    return v;
+  }
   Topology::CommunicatorSet const& communicators() const { return *comms_; }
 
   /// \brief Routes hidden [T, d] with the router and runs the layer:

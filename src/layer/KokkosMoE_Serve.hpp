@@ -263,6 +263,17 @@ class DecodeBucket {
                                   {"step_metadata", static_cast<std::int64_t>(S_ + 1) * static_cast<std::int64_t>(sizeof(index_t))}};
     return v;
   }
+  /// \brief The bucket's buffers (ledger()) and, after them, what the
+  /// layer keeps between steps (MoELayer::held_buffers(), names prefixed
+  /// "layer:"): the workspaces and exchange staging a replayed step reuses.
+  /// Those are shared with the layer's ordinary steps and sized by the
+  /// largest step so far; replays allocate none of them.
+  std::vector<ReservedBuffer> step_ledger(layer_type const& layer) const {
+    auto v = ledger();
+    for (auto const& [name, bytes] : layer.held_buffers()) v.push_back({"layer:" + name, bytes});
+    return v;
+  }
+
   std::int64_t reserved_bytes() const {
     std::int64_t b = 0;
     for (auto const& r : ledger()) b += r.bytes;

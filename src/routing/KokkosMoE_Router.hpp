@@ -313,6 +313,9 @@ class Router {
   /// \brief GEMM path of the last route() from hidden rows.
   GemmPath gemm_path() const { return gemm_path_; }
 
+  /// Bytes of the buffers the router keeps between calls.
+  std::int64_t held_bytes() const { return work_.held_bytes(); }
+
  private:
   void check_call(index_t T, RouteOptions<MemorySpace> const& options) const {
     KOKKOSMOE_REQUIRE(T <= index_t(0x7FFFFFFF), "Router: at most 2^31-1 tokens per call (got " << T << ")");
