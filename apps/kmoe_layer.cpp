@@ -42,6 +42,7 @@
 #include <KokkosMoE_Version.hpp>
 
 #include "kmoe_app.hpp"
+#include "kmoe_layer_output.hpp"
 #include "kmoe_layer_serve.hpp"
 #include "kmoe_layer_train.hpp"
 
@@ -61,9 +62,9 @@
 namespace {
 
 using namespace KokkosMoE;
-using Exec = Kokkos::DefaultExecutionSpace;
-using MS = Exec::memory_space;
-using json = nlohmann::json;
+using kmoe_layer::Exec;
+using kmoe_layer::json;
+using kmoe_layer::MS;
 
 struct Options {
   std::string deck;
@@ -538,22 +539,10 @@ class LayerRun {
       if (a == 0) perf = performance_line(tot, step_s, tps, other, drops, stage_order);
     }
     if (rank_ == 0) std::cout << table.str();
-    // Rank 0 writes; a failure is reported by every rank.
-    collective(world_, "writing the report", [&] {
-      if (rank_ != 0) return;
-      std::string const report_path = opt_.report.empty() ? deck_.run.report : opt_.report;
-      std::string const h5_path = opt_.hdf5.empty() ? deck_.run.hdf5 : opt_.hdf5;
-      if (!report_path.empty()) {
-        write_text_file(report_path, report.dump(2) + "\n");
-        std::cout << "report: " << report_path << "\n";
-      }
-      if (!h5_path.empty()) {
-        std::vector<std::string> names;
-        for (std::size_t a = 0; a < algorithms_.size(); ++a) names.push_back(name(a));
-        write_series_hdf5(h5_path, series_, {{"deck", deck_.path}, {"build", build_summary()}, {"algorithms", json(names).dump()}});
-        std::cout << "time series: " << h5_path << "\n";
-      }
-    }, watchdog_);
+    std::vector<std::string> names;
+    for (std::size_t a = 0; a < algorithms_.size(); ++a) names.push_back(name(a));
+    kmoe_layer::write_outputs(world_, watchdog_, deck_.path, report, opt_.report.empty() ? deck_.run.report : opt_.report, &series_,
+                              opt_.hdf5.empty() ? deck_.run.hdf5 : opt_.hdf5, {{"algorithms", json(names).dump()}});
     if (rank_ == 0) std::cout << perf << std::endl;
   }
 

@@ -13,6 +13,9 @@
 
 #include "kmoe_layer_serve.hpp"
 
+#include "kmoe_app.hpp"
+#include "kmoe_layer_output.hpp"
+
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_HostHeap.hpp>
 #include <KokkosMoE_LayerSetup.hpp>
@@ -32,9 +35,6 @@ namespace kmoe_layer {
 namespace {
 
 using namespace KokkosMoE;
-using Exec = Kokkos::DefaultExecutionSpace;
-using MS = Exec::memory_space;
-using json = nlohmann::json;
 
 json counts_json(UnitCounts const& c) {
   return {{"useful_tokens", c.useful_tokens}, {"executed_tokens", c.executed_tokens}, {"padding_tokens", c.padding_tokens},
@@ -73,6 +73,7 @@ int serve_run(LayerDeck const& deck, std::string const& report_path) {
   auto const& sv = deck.serve;
   DecodeBucket<T, Exec, MS> bucket(layer, BucketConfig{sv.rank_tokens, sv.slot_routes});
   int const d = deck.model.hidden;
+  MPI_Comm const ep = setup.comms->ep().comm();  // the layer's ranks: a missing one is named there
 
   // One input and two output matrices, as large as the largest step.
   index_t max_rows = 0;
@@ -96,6 +97,7 @@ int serve_run(LayerDeck const& deck, std::string const& report_path) {
   double seconds = 0;
   for (int rep = 0; rep < sv.repeat; ++rep)
     for (std::size_t i = 0; i < sv.steps.size(); ++i, ++step_id) {
+      kmoe_app::fault_point(rank, step_id);
       auto const& st = sv.steps[i];
       index_t first = 0, any_prefill = 0;
       for (int p = 0; p < size; ++p) {
@@ -105,7 +107,11 @@ int serve_run(LayerDeck const& deck, std::string const& report_path) {
       index_t const pre = st.prefill[static_cast<std::size_t>(rank)], n = pre + st.decode[static_cast<std::size_t>(rank)];
       auto const x = rows(hidden_all, n), y = rows(out_all, n);
       Setup::hidden_rows_into(deck, step_id, first, x, rank);
-      MPI_Barrier(world);
+      // Ranks start the step together (a watched reduction, so that a
+      // missing rank ends the run within the watchdog).
+      double const start_flag = 0.0;
+      double started = 0.0;
+      allreduce_watched(&start_flag, &started, 1, MPI_DOUBLE, MPI_MAX, ep, "serve: step start", watchdog);
       Kokkos::Timer timer;
       MixedRecord m;
       if (any_prefill > 0) {
@@ -117,8 +123,9 @@ int serve_run(LayerDeck const& deck, std::string const& report_path) {
         m.total = m.units.back().counts;
       }
       Kokkos::fence();
-      double step_s = timer.seconds();
-      MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, world);
+      double const my_s = timer.seconds();
+      double step_s = 0.0;
+      allreduce_watched(&my_s, &step_s, 1, MPI_DOUBLE, MPI_MAX, ep, "serve: step time", watchdog);
       seconds += step_s;
       bool identical = true;
       if (sv.check) {
@@ -182,11 +189,7 @@ int serve_run(LayerDeck const& deck, std::string const& report_path) {
                      {"seconds", seconds},
                      {"tokens_per_s", tokens_per_s},
                      {"identical", sv.check ? json(all_identical == 1) : json(nullptr)}};
-  collective(world, "writing the report", [&] {
-    if (rank != 0 || report_path.empty()) return;
-    write_text_file(report_path, report.dump(2) + "\n");
-    std::cout << "report: " << report_path << "\n";
-  }, watchdog);
+  write_outputs(world, watchdog, deck.path, report, report_path);
   if (rank == 0) {
     std::string by;
     for (auto const& [k, v] : refused_by) by += (by.empty() ? "" : ",") + k + ":" + std::to_string(v);

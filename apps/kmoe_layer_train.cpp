@@ -8,6 +8,7 @@
 #include "kmoe_layer_train.hpp"
 
 #include "kmoe_app.hpp"
+#include "kmoe_layer_output.hpp"
 
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Digest.hpp>
@@ -29,9 +30,6 @@ namespace kmoe_layer {
 namespace {
 
 using namespace KokkosMoE;
-using Exec = Kokkos::DefaultExecutionSpace;
-using MS = Exec::memory_space;
-using json = nlohmann::json;
 
 /// Digest of trained weights: the router weight, the shared experts and
 /// every routed expert by logical id (its first copy), the same on every
@@ -157,19 +155,8 @@ int train(LayerDeck const& deck, TrainOptions const& opt) {
                      {"products", deck.train.products},
                      {"experts_backward_path", experts_backward},
                      {"weights_digest", weights_digest}};
-  collective(world, "writing the report", [&] {
-    std::string const path = opt.report.empty() ? deck.run.report : opt.report;
-    std::string const h5_path = opt.hdf5.empty() ? deck.run.hdf5 : opt.hdf5;
-    if (rank != 0) return;
-    if (!path.empty()) {
-      write_text_file(path, report.dump(2) + "\n");
-      std::cout << "report: " << path << "\n";
-    }
-    if (!h5_path.empty()) {
-      write_series_hdf5(h5_path, series, {{"deck", deck.path}, {"build", build_summary()}, {"mode", "train"}});
-      std::cout << "time series: " << h5_path << "\n";
-    }
-  }, watchdog);
+  write_outputs(world, watchdog, deck.path, report, opt.report.empty() ? deck.run.report : opt.report, &series,
+                opt.hdf5.empty() ? deck.run.hdf5 : opt.hdf5, {{"mode", "train"}});
   if (rank == 0) {
     std::printf("TRAIN steps=%d ranks=%d optimizer=%s loss_first=%.6g loss_last=%.6g loss_ratio=%.4f backward_s=%.4g weights_digest=%s "
                 "experts_backward=%s\n",

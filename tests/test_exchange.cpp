@@ -658,30 +658,20 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
   int const size = world_size();
   int const rank = world_rank();
   PlannerLayout const layout(size);
-  // (References, not structured bindings: C++17 lambdas cannot capture those.)
-  int const rpn = layout.rpn;
-  auto const& topo = layout.topo;
-  auto const& nor = layout.nor;
-  auto const& placement = layout.placement;
-  auto const& scale = layout.scale;
   for (Dist dist : {Dist::uniform, Dist::hot_expert}) {
     auto const pr = planner_routes(layout, dist, 55u, rank, size);
-    auto const& routes = pr.routes;
-    int const tokens = pr.tokens;
-    auto const& rp = pr.mine;
-    auto const& rr = pr.all;
-    REQUIRE(static_cast<int>(rr.size()) == size);
-    CHECK(to_host_vector(rr[static_cast<std::size_t>(rank)].dest_rank) == to_host_vector(rp.dest_rank));
-    CHECK(to_host_vector(rr[static_cast<std::size_t>(rank)].gate) == to_host_vector(rp.gate));
+    REQUIRE(static_cast<int>(pr.all.size()) == size);
+    CHECK(to_host_vector(pr.all[static_cast<std::size_t>(rank)].dest_rank) == to_host_vector(pr.mine.dest_rank));
+    CHECK(to_host_vector(pr.all[static_cast<std::size_t>(rank)].gate) == to_host_vector(pr.mine.gate));
     // Narrow rows (runs packed into one message per peer) and wide ones
     // (runs of 4 rows and more travel as separate messages).
     for (int width : {4, 4096})
-    for (int R : {1, rpn >= 2 ? 2 : 1}) {
-      RowMatrix<float, MS> hidden("hidden", tokens, width);
+    for (int R : {1, layout.rpn >= 2 ? 2 : 1}) {
+      RowMatrix<float, MS> hidden("hidden", pr.tokens, width);
       Kokkos::deep_copy(hidden, 0.5f);
       Topology::CommSpec spec;
       spec.relays_per_node = R;
-      Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, spec);
+      Topology::CommunicatorSet comms(MPI_COMM_WORLD, layout.topo, spec);
       auto c = exchange_config(PayloadType::fp32);
       c.waves = 2;
       c.tokens_per_rank = 16;
@@ -691,11 +681,11 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
       auto planned_of = [&](Algorithm a) {
         auto ca = c;
         ca.algorithm = a;
-        return plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, ca, width});
+        return plan_ledgers(PlanInput{layout.topo, comms.layout(), pr.all, layout.placement, ca, width});
       };
       INFO("np " << size << " R " << R << " dist " << static_cast<int>(dist) << " width " << width);
-      FlatExchange<> flat(comms, placement, c);
-      auto rf = run_step(flat, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+      FlatExchange<> flat(comms, layout.placement, c);
+      auto rf = run_step(flat, layout.placement, pr.routes, hidden, layout.scale, rank, 0, {}, layout.nor[rank]);
       CHECK(untimed(rf.ledger) == untimed(planned_of(Algorithm::flat)[static_cast<std::size_t>(rank)]));
       {
         // One message per peer and the repack copies; and the rows as
@@ -704,33 +694,33 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
         auto copies = c;
         copies.receive_into_experts = false;
         copies.algorithm = Algorithm::flat;
-        FlatExchange<> fc(comms, placement, copies);
-        auto rc = run_step(fc, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
-        auto const copies_plan = plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, copies, width})[static_cast<std::size_t>(rank)];
+        FlatExchange<> fc(comms, layout.placement, copies);
+        auto rc = run_step(fc, layout.placement, pr.routes, hidden, layout.scale, rank, 0, {}, layout.nor[rank]);
+        auto const copies_plan = plan_ledgers(PlanInput{layout.topo, comms.layout(), pr.all, layout.placement, copies, width})[static_cast<std::size_t>(rank)];
         auto const with_copies = untimed(copies_plan);
         CHECK(untimed(rc.ledger) == with_copies);
         auto other_rows = c;
         other_rows.algorithm = Algorithm::flat;
-        CHECK(untimed(plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, other_rows, width, PayloadType::bf16})[static_cast<std::size_t>(rank)]) ==
+        CHECK(untimed(plan_ledgers(PlanInput{layout.topo, comms.layout(), pr.all, layout.placement, other_rows, width, PayloadType::bf16})[static_cast<std::size_t>(rank)]) ==
               with_copies);
       }
-      HierarchicalExchange<> hier(comms, placement, c);
+      HierarchicalExchange<> hier(comms, layout.placement, c);
       REQUIRE(hier.receives_into_experts<float>());
-      auto rh = run_step(hier, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+      auto rh = run_step(hier, layout.placement, pr.routes, hidden, layout.scale, rank, 0, {}, layout.nor[rank]);
       CHECK(untimed(rh.ledger) == untimed(planned_of(Algorithm::hierarchical)[static_cast<std::size_t>(rank)]));
       {
         // The relay stages with the repack copies.
         auto copies = c;
         copies.receive_into_experts = false;
         copies.algorithm = Algorithm::hierarchical;
-        HierarchicalExchange<> hc(comms, placement, copies);
-        auto rc = run_step(hc, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
-        CHECK(untimed(rc.ledger) == untimed(plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, copies, width})[static_cast<std::size_t>(rank)]));
+        HierarchicalExchange<> hc(comms, layout.placement, copies);
+        auto rc = run_step(hc, layout.placement, pr.routes, hidden, layout.scale, rank, 0, {}, layout.nor[rank]);
+        CHECK(untimed(rc.ledger) == untimed(plan_ledgers(PlanInput{layout.topo, comms.layout(), pr.all, layout.placement, copies, width})[static_cast<std::size_t>(rank)]));
         CHECK(rc.ledger.dispatch.inter_node_payload_bytes() == rh.ledger.dispatch.inter_node_payload_bytes());
       }
-      PooledWaveExchange<> pooled(comms, placement, c);
+      PooledWaveExchange<> pooled(comms, layout.placement, c);
       REQUIRE(pooled.direct_rows<float>());
-      auto rpw = run_step(pooled, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
+      auto rpw = run_step(pooled, layout.placement, pr.routes, hidden, layout.scale, rank, 0, {}, layout.nor[rank]);
       auto const planned = planned_of(Algorithm::pooled_wave);
       CHECK(untimed(rpw.ledger) == untimed(planned[static_cast<std::size_t>(rank)]));
       // Sums over ranks agree with the reduced measured ledger.
@@ -741,10 +731,10 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
         auto copies = c;
         copies.receive_into_experts = false;
         copies.algorithm = Algorithm::pooled_wave;
-        PooledWaveExchange<> pc(comms, placement, copies);
+        PooledWaveExchange<> pc(comms, layout.placement, copies);
         REQUIRE_FALSE(pc.direct_rows<float>());
-        auto rc = run_step(pc, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
-        CHECK(untimed(rc.ledger) == untimed(plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, copies, width})[static_cast<std::size_t>(rank)]));
+        auto rc = run_step(pc, layout.placement, pr.routes, hidden, layout.scale, rank, 0, {}, layout.nor[rank]);
+        CHECK(untimed(rc.ledger) == untimed(plan_ledgers(PlanInput{layout.topo, comms.layout(), pr.all, layout.placement, copies, width})[static_cast<std::size_t>(rank)]));
         CHECK(rc.ledger.dispatch.sender_drops == rpw.ledger.dispatch.sender_drops);
         CHECK(rc.ledger.dispatch.receiver_drops == rpw.ledger.dispatch.receiver_drops);
         CHECK(kmoe_test::same_bits(to_host_vector(rc.out), to_host_vector(rpw.out)));
@@ -752,22 +742,22 @@ TEST_CASE("the planner predicts every measured ledger exactly", "[exchange][plan
         // wave: the same expert rows in the same order, the same keys
         // (receiver drops split a source's run of an expert: its kept prefix
         // must be the one kept); staged through the host too.
-        RowMatrix<float, MS> distinct("distinct", tokens, width);
+        RowMatrix<float, MS> distinct("distinct", pr.tokens, width);
         {
           auto hd = Kokkos::create_mirror_view(distinct);
-          for (int t = 0; t < tokens; ++t)
+          for (int t = 0; t < pr.tokens; ++t)
             for (int x = 0; x < width; ++x) hd(t, x) = 1.0f + 0.5f * t + 64.0f * rank + 0.001f * x;
           Kokkos::deep_copy(distinct, hd);
         }
         auto staged = c;
         staged.stage_through_host = true;
-        PooledWaveExchange<> ps(comms, placement, staged);
+        PooledWaveExchange<> ps(comms, layout.placement, staged);
         REQUIRE(ps.direct_rows<float>());
-        auto const in_band_out = to_host_vector(run_step(pc, placement, routes, distinct, scale, rank, 0, {}, nor[rank]).out);
-        CHECK(kmoe_test::same_bits(to_host_vector(run_step(pooled, placement, routes, distinct, scale, rank, 0, {}, nor[rank]).out), in_band_out));
-        CHECK(kmoe_test::same_bits(to_host_vector(run_step(ps, placement, routes, distinct, scale, rank, 0, {}, nor[rank]).out), in_band_out));
+        auto const in_band_out = to_host_vector(run_step(pc, layout.placement, pr.routes, distinct, layout.scale, rank, 0, {}, layout.nor[rank]).out);
+        CHECK(kmoe_test::same_bits(to_host_vector(run_step(pooled, layout.placement, pr.routes, distinct, layout.scale, rank, 0, {}, layout.nor[rank]).out), in_band_out));
+        CHECK(kmoe_test::same_bits(to_host_vector(run_step(ps, layout.placement, pr.routes, distinct, layout.scale, rank, 0, {}, layout.nor[rank]).out), in_band_out));
         Exec exec;
-        auto const [route_plan, dispatch_plan] = plans_of(comms, placement, routes, rank, 0, nor[rank]);
+        auto const [route_plan, dispatch_plan] = plans_of(comms, layout.placement, pr.routes, rank, 0, layout.nor[rank]);
         for (int w = 0; w < pooled.waves(); ++w) {
           INFO("wave " << w);
           auto hb = pc.dispatch(exec, route_plan, dispatch_plan, distinct, w);

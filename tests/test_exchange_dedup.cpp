@@ -179,30 +179,21 @@ TEST_CASE("hierarchical_dedup: the planner predicts every measured ledger exactl
   int const size = world_size();
   int const rank = world_rank();
   PlannerLayout const layout(size);
-  // (References, not structured bindings: C++17 lambdas cannot capture those.)
-  int const rpn = layout.rpn;
-  auto const& topo = layout.topo;
-  auto const& nor = layout.nor;
-  auto const& placement = layout.placement;
-  auto const& scale = layout.scale;
   for (Dist dist : {Dist::uniform, Dist::empty_ranks, Dist::hot_expert}) {
     auto const pr = planner_routes(layout, dist, 77u, rank, size);
-    auto const& routes = pr.routes;
-    int const tokens = pr.tokens;
-    auto const& rr = pr.all;
-    for (int R : {1, rpn >= 2 ? 2 : 1}) {
-      RowMatrix<float, MS> hidden("hidden", tokens, 16);
+    for (int R : {1, layout.rpn >= 2 ? 2 : 1}) {
+      RowMatrix<float, MS> hidden("hidden", pr.tokens, 16);
       Kokkos::deep_copy(hidden, 0.5f);
       Topology::CommSpec spec;
       spec.relays_per_node = R;
-      Topology::CommunicatorSet comms(MPI_COMM_WORLD, topo, spec);
+      Topology::CommunicatorSet comms(MPI_COMM_WORLD, layout.topo, spec);
       for (PayloadType type : {PayloadType::fp32, PayloadType::bf16}) {
         auto c = exchange_config(type);
         c.algorithm = Algorithm::hierarchical_dedup;
         INFO("np " << size << " R " << R << " dist " << static_cast<int>(dist) << " payload " << to_string(type));
-        HierarchicalDedupExchange<> dedup(comms, placement, c);
-        auto rd = run_step(dedup, placement, routes, hidden, scale, rank, 0, {}, nor[rank]);
-        auto const planned = plan_ledgers(PlanInput{topo, comms.layout(), rr, placement, c, 16});
+        HierarchicalDedupExchange<> dedup(comms, layout.placement, c);
+        auto rd = run_step(dedup, layout.placement, pr.routes, hidden, layout.scale, rank, 0, {}, layout.nor[rank]);
+        auto const planned = plan_ledgers(PlanInput{layout.topo, comms.layout(), pr.all, layout.placement, c, 16});
         CHECK(untimed(rd.ledger) == untimed(planned[static_cast<std::size_t>(rank)]));
         auto const sum = sum_ledgers(planned);
         auto const reduced = rd.ledger.reduced(MPI_COMM_WORLD);

@@ -388,7 +388,11 @@ class DecodeBucket {
     mine[2] = key_ok ? 0 : static_cast<std::int64_t>(live.digest() & 0x7FFFFFFFFFFFFFFFull) | 1;
     mine[3] = buffers_ok ? 0 : 1;
     for (int s = 0; s < S_; ++s) mine[4 + static_cast<std::size_t>(s)] = slots[static_cast<std::size_t>(s)];
-    KOKKOSMOE_MPI_CHECK(MPI_Allgather(mine.data(), static_cast<int>(W), MPI_INT64_T, all.data(), static_cast<int>(W), MPI_INT64_T, ep), ep);
+    // (An allgather as a watched sum of every rank's row in its place: a
+    // missing rank ends the step within the watchdog instead of hanging.)
+    std::vector<std::int64_t> placed(all.size(), 0);
+    std::copy(mine.begin(), mine.end(), placed.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(comms.ep().my_slot()) * W));
+    allreduce_watched(placed.data(), all.data(), static_cast<int>(all.size()), MPI_INT64_T, MPI_SUM, ep, "decode bucket admission", watchdog);
     rec.rank_tokens.assign(static_cast<std::size_t>(P), 0);
     rec.rank_offsets.assign(static_cast<std::size_t>(P), 0);
     rec.slot_routes.assign(static_cast<std::size_t>(S_), 0);
@@ -442,7 +446,7 @@ class DecodeBucket {
     rec.counts.useful_tokens = useful;
     rec.counts.padding_tokens = rec.counts.executed_tokens - useful;
     std::int64_t local[3] = {rec.step.routes.accepted, rec.step.experts.useful_rows, rec.step.experts.executed_rows}, sum[3] = {0, 0, 0};
-    KOKKOSMOE_MPI_CHECK(MPI_Allreduce(local, sum, 3, MPI_INT64_T, MPI_SUM, ep), ep);
+    allreduce_watched(local, sum, 3, MPI_INT64_T, MPI_SUM, ep, "decode bucket counts", watchdog);
     rec.counts.routes = sum[0];
     rec.counts.useful_rows = sum[1];
     rec.counts.executed_rows = sum[2];
