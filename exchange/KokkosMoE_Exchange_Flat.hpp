@@ -22,7 +22,11 @@
 /// agreement announces every run (empty ones too), so a receiver knows each
 /// run's slot before any row moves; the metadata arrives in arrival order
 /// (one message per peer), and the repack plan built from it is checked
-/// against the runs, row by row.
+/// against the runs, row by row. On host memory over MPI the rows are not
+/// packed either: each peer's rows go as one message straight from the
+/// hidden rows (an indexed datatype naming each route's token row), so
+/// every row is copied once, by MPI, as a raw MPI_Alltoallv of packed rows
+/// copies its bytes (ExchangeBase::sends_from_hidden).
 
 #include <KokkosMoE_Exchange_Planner.hpp>
 #include <impl/KokkosMoE_Exchange_Common.hpp>
@@ -200,7 +204,16 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     PayloadBuffer<MemorySpace> send;
     Kokkos::View<RowMeta*, MemorySpace> meta;
     // The own rows are not packed: they go straight into their expert rows.
-    std::string const problem = this->pack_local(exec, h, routes, plan, hidden, waves(), true, send, meta, /*skip_own=*/true);
+    // The peers' rows are packed, or go from the hidden rows themselves.
+    bool const gathered = this->sends_from_hidden();
+    typename RowSet<MemorySpace>::rows_view source;
+    std::shared_ptr<std::vector<int> const> source_rows;
+    std::string const problem = gathered ? this->gather_local(exec, h, routes, plan, hidden, waves(), source, meta, source_rows)
+                                         : this->pack_local(exec, h, routes, plan, hidden, waves(), true, send, meta, /*skip_own=*/true);
+    if (gathered) {
+      send.type = this->config_.payload;
+      send.width = d;
+    }
     int const L = this->placement_.num_slots_of_rank(this->me_);
     auto const agreed = agree_counts_and_every_run(ep, plan.counts, plan.rows(), plan.slot_runs, this->max_slots_per_rank(), L,
                                                    "flat dispatch counts", this->options(), problem);
@@ -213,7 +226,12 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
                         direct.expert_runs[static_cast<std::size_t>(me)], this->row_bytes_of(h.expert_rows),
                         "KokkosMoE::FlatExchange::pack_own");
     RowSet<MemorySpace> rows{send.bytes, this->row_bytes_of(h.expert_rows), plan.slot_runs, direct.expert_runs, /*self_in_place=*/true};
-    rows.owners = h.expert_rows;
+    if (gathered) {
+      rows.send = source;
+      rows.send_runs.clear();
+      rows.send_rows = source_rows;
+    }
+    rows.owners = std::make_pair(h.expert_rows, source);
     // Metadata in arrival order (by source, then send position): one
     // message per peer.
     h.flight = this->transport_->start_alltoallv(exec, ep, {rows, record_rows(meta, h.arrived_meta)}, plan.counts, agreed.recv,
@@ -223,7 +241,8 @@ class FlatExchange : public Impl::ExchangeBase<ExecutionSpace, MemorySpace> {
     stage.self_in_place = true;  // the own rows were packed straight into their expert rows
     auto const runs = runs_per_peer(plan.slot_runs);
     std::vector<std::int64_t> const one(static_cast<std::size_t>(P), 1);
-    add_sends(stage, plan.counts, ep.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta), &runs, &one);
+    add_sends(stage, plan.counts, ep.peer_order(), this->me_, this->node_of_rank_, send.row_bytes(), sizeof(RowMeta),
+              gathered ? &one : &runs, &one);  // gathered: one message per peer
     h.ledger.dispatch.stages.push_back(stage);
     h.ledger.dispatch.useful_rows = n;
     h.ledger.dispatch.rows_in_place = true;

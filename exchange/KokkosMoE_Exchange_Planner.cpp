@@ -120,6 +120,8 @@ std::vector<ByteLedger> plan_flat(PlanInput const& in) {
   Matrix const runs = receives_into_experts(in)
                           ? slot_run_matrix(routes, N)
                           : Matrix(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 1));
+  // FlatExchange's send from the hidden rows: MPI gathers runs, host rows.
+  bool const gathered = receives_into_experts(in) && in.config.transport == TransportKind::mpi && !in.config.pair_runs && in.host_rows;
   std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::flat, in));
   std::string const ep = "kmoe-ep";
   for (int me = 0; me < N; ++me) {
@@ -131,8 +133,9 @@ std::vector<ByteLedger> plan_flat(PlanInput const& in) {
     }
     StageLedger d{"all-to-all", ep};
     d.self_in_place = receives_into_experts(in);  // FlatExchange packs the own rows straight into their expert rows
-    auto const send_runs = in_order(runs[static_cast<std::size_t>(me)], layout.ep_order);
     std::vector<std::int64_t> const one(static_cast<std::size_t>(N), 1);  // metadata: one message per peer
+    // Rows gathered from the hidden rows travel as one message per peer too.
+    auto const send_runs = gathered ? one : in_order(runs[static_cast<std::size_t>(me)], layout.ep_order);
     add_sends(d, in_order(c[static_cast<std::size_t>(me)], layout.ep_order), layout.ep_order, me, nor, l.row_bytes, l.meta_row_bytes,
               &send_runs, &one);
     l.dispatch.stages.push_back(d);

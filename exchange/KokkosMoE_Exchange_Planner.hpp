@@ -43,6 +43,11 @@ struct PlanInput {
   /// bf16_t): with payloads of that type the flat exchange moves rows
   /// straight to and from their expert-major places (ExchangeConfig::receive_into_experts).
   PayloadType rows = PayloadType::fp32;
+  /// Whether the exchange's rows are in memory MPI reads as host memory (the
+  /// default memory space's, unless told): there the flat exchange over MPI
+  /// sends each peer its rows as one message gathered from the hidden rows
+  /// (ExchangeBase::sends_from_hidden), not one message per slot run.
+  bool host_rows = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Kokkos::DefaultExecutionSpace::memory_space>::accessible;
 };
 
 /// \brief Per-rank ledgers (index = global rank) of the flat exchange.

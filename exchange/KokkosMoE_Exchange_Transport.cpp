@@ -55,7 +55,8 @@ void check_runs(RowRuns const& runs, std::vector<index_t> const& counts, index_t
 
 void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, RowRuns const& send_runs,
-               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending, TransportOptions const& options, bool one_message) {
+               RowRuns const& recv_runs, int tag, std::vector<Pending>& pending, TransportOptions const& options, bool one_message,
+               std::vector<int> const* send_rows) {
   int const P = comm.size();
   int const me = comm.my_slot();
   if (row_bytes == 0) return;
@@ -105,8 +106,24 @@ void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned
   };
   for (int p = 0; p < P; ++p)
     if (p != me && recv_counts[p] > 0) post(true, recv, runs_of(recv_runs, roff, p), p);
+  // A gathered send: peer p's send positions [soff[p], soff[p + 1]) name
+  // their rows of send, one block of one row each.
+  auto post_gathered = [&](int p) {
+    index_t const n = send_counts[p];
+    KOKKOSMOE_REQUIRE(n <= INT_MAX, "gathered send of " << n << " rows to peer " << p << " exceeds int");
+    MPI_Datatype type;
+    KOKKOSMOE_MPI_CHECK(MPI_Type_create_indexed_block(static_cast<int>(n), 1, send_rows->data() + soff[p], row, &type), comm.comm());
+    KOKKOSMOE_MPI_CHECK(MPI_Type_commit(&type), comm.comm());
+    Impl::post(comm, false, const_cast<unsigned char*>(send), 1, type, p, tag, pending, options);
+    MPI_Type_free(&type);  // deferred by MPI until the operation completes
+  };
   for (int p = 0; p < P; ++p)
-    if (p != me && send_counts[p] > 0) post(false, const_cast<unsigned char*>(send), runs_of(send_runs, soff, p), p);
+    if (p != me && send_counts[p] > 0) {
+      if (send_rows)
+        post_gathered(p);
+      else
+        post(false, const_cast<unsigned char*>(send), runs_of(send_runs, soff, p), p);
+    }
   MPI_Type_free(&row);  // deferred by MPI until the operations complete
 }
 
@@ -196,7 +213,15 @@ void test_all(Topology::Communicator const& comm, std::vector<Pending>& pending)
 
 void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending, char const* what,
               TransportOptions const& options) {
-  Watchdog dog(options.watchdog_seconds);
+  // Rows between ranks of one host move inside MPI's calls (shared memory:
+  // each poll copies the next fragments), so a wait among them polls
+  // without sleeping when oversubscribed (it yields); rows from another
+  // host move through the kernel's network stack, which a sleeping poll
+  // leaves the core to.
+  bool const one_host = oversubscribed() && std::all_of(pending.begin(), pending.end(), [&](Pending const& p) {
+                          return shares_host(comm.comm(), p.peer_slot);
+                        });
+  Watchdog dog(options.watchdog_seconds, /*sleeps=*/!one_host);
   std::size_t done = 0;
   std::vector<char> complete(pending.size(), 0);
   FabricEmulator* fabric = options.fabric.get();

@@ -86,6 +86,12 @@ struct RowSet {
   RowRuns recv_runs;  ///< empty: contiguous segments by recv counts
   bool self_in_place = false;  ///< the rank's own rows need no copy
   bool one_message = false;    ///< each peer's runs travel as one message (Transport::gathers_runs)
+  /// A gathered send (Transport::gathers_runs; implies one_message and
+  /// self_in_place): send position i is row (*send_rows)[i] of `send`, so
+  /// rows go from where they are (a token's row once per route) with no
+  /// packed copy; MPI reads them through an indexed datatype. send_runs
+  /// stays empty (each peer's positions are its segment by send counts).
+  std::shared_ptr<std::vector<int> const> send_rows;
   std::any owners;  ///< what send and recv point into, where they are unmanaged
 };
 
@@ -207,25 +213,32 @@ void check_runs(RowRuns const& runs, std::vector<index_t> const& counts, index_t
 /// Digest of the rows a rank sends to its peers (every segment but its own)
 /// of a [rows, bytes] buffer, in peer order (host copy for device memory).
 template <class MS>
-std::uint64_t sent_rows_digest(Kokkos::View<unsigned char**, Kokkos::LayoutRight, MS> const& send, RowRuns const& runs,
-                               std::vector<index_t> const& soff, int me) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), send);
-  std::size_t const rb = send.extent(1);
+std::uint64_t sent_rows_digest(RowSet<MS> const& set, std::vector<index_t> const& soff, int me) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), set.send);
+  std::size_t const rb = set.send.extent(1);
   std::uint64_t d = 0x9E3779B97F4A7C15ULL;
   for (std::size_t p = 0; p + 1 < soff.size(); ++p)
-    if (static_cast<int>(p) != me)
-      for (auto const& [first, n] : runs_of(runs, soff, static_cast<int>(p)))
+    if (static_cast<int>(p) != me) {
+      if (set.send_rows) {
+        for (index_t i = soff[p]; i < soff[p + 1]; ++i)
+          d = digest_bytes(h.data() + static_cast<std::size_t>((*set.send_rows)[static_cast<std::size_t>(i)]) * rb, rb, d);
+        continue;
+      }
+      for (auto const& [first, n] : runs_of(set.send_runs, soff, static_cast<int>(p)))
         d = digest_bytes(h.data() + static_cast<std::size_t>(first) * rb, static_cast<std::size_t>(n) * rb, d);
+    }
   return d;
 }
 
 /// Posts receives and sends of raw rows for one buffer pair (host-visible
 /// pointers), appending to pending: one message per peer segment, or per
-/// run. Self rows are not posted.
+/// run; with send_rows (a gathered send, RowSet::send_rows), one message
+/// per peer on both sides, the send an indexed datatype over the rows it
+/// names. Self rows are not posted.
 void post_rows(Topology::Communicator const& comm, unsigned char* recv, unsigned char const* send, std::size_t row_bytes,
                std::vector<index_t> const& send_counts, std::vector<index_t> const& recv_counts, RowRuns const& send_runs,
                RowRuns const& recv_runs, int tag, std::vector<Pending>& pending, TransportOptions const& options = {},
-               bool one_message = false);
+               bool one_message = false, std::vector<int> const* send_rows = nullptr);
 
 /// The rank's own rows: its send runs copied to its receive runs, in order.
 template <class Exec, class DstView, class SrcView>
@@ -267,7 +280,19 @@ std::pair<std::vector<index_t>, std::vector<index_t>> checked_segments(Topology:
     roff[p + 1] = roff[p] + recv_counts[p];
   }
   for (auto const& s : sets) {
-    KOKKOSMOE_REQUIRE((!s.send_runs.empty() || static_cast<index_t>(s.send.extent(0)) >= soff[P]) &&
+    if (s.send_rows) {
+      // A gathered send: one row index per send position, inside send.
+      KOKKOSMOE_REQUIRE(s.send_runs.empty() && s.self_in_place && static_cast<index_t>(s.send_rows->size()) >= soff[P],
+                        what << ": a gathered send names " << s.send_rows->size() << " rows for " << soff[P]
+                             << " sent (it needs one per send position, no send runs, and the own rows in place)");
+      auto const bad = std::find_if(s.send_rows->begin(), s.send_rows->end(),
+                                    [&](int r) { return r < 0 || static_cast<std::size_t>(r) >= s.send.extent(0); });
+      KOKKOSMOE_REQUIRE(bad == s.send_rows->end(), what << ": a gathered send names row " << *bad << " of a buffer of "
+                                                        << s.send.extent(0) << " rows");
+      KOKKOSMOE_REQUIRE(!pair_runs, what << ": a transport that pairs every run (NCCL, or MPI with pair_runs) cannot gather "
+                                            "a peer's rows into one message (RowSet::send_rows)");
+    }
+    KOKKOSMOE_REQUIRE((!s.send_runs.empty() || s.send_rows || static_cast<index_t>(s.send.extent(0)) >= soff[P]) &&
                           (!s.recv_runs.empty() || static_cast<index_t>(s.recv.extent(0)) >= roff[P]) &&
                           s.send.extent(1) == s.recv.extent(1),
                       what << ": buffers of " << s.send.extent(0) << " and " << s.recv.extent(0) << " rows ("
@@ -317,7 +342,7 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     int tag = 7000;
     for (auto const& s : sets)
       Impl::post_rows(comm, s.recv.data(), s.send.data(), s.send.extent(1), send_counts, recv_counts, s.send_runs, s.recv_runs,
-                      tag++, pending, options, s.one_message);
+                      tag++, pending, options, s.one_message || s.send_rows, s.send_rows.get());
     if (!start) {
       Impl::wait_all(comm, pending, what, options);
       return {};
@@ -329,12 +354,12 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     std::string const label = what;
     std::vector<std::uint64_t> digests;
     if (options.verify_send_rows)
-      for (auto const& s : sets) digests.push_back(Impl::sent_rows_digest(s.send, s.send_runs, soff, me));
+      for (auto const& s : sets) digests.push_back(Impl::sent_rows_digest(s, soff, me));
     return RowsInFlight([state, c] { Impl::test_all(*c, *state); },
                         [state, c, sets, label, options, digests, soff, me] {
                           Impl::wait_all(*c, *state, label.c_str(), options);
                           for (std::size_t i = 0; i < digests.size(); ++i)
-                            KOKKOSMOE_REQUIRE(Impl::sent_rows_digest(sets[i].send, sets[i].send_runs, soff, me) == digests[i],
+                            KOKKOSMOE_REQUIRE(Impl::sent_rows_digest(sets[i], soff, me) == digests[i],
                                               label << ": the send rows (buffer " << i << " of " << sets.size()
                                                     << ") changed while the transfer was in flight: a send buffer was "
                                                        "reused before its transfer completed");
@@ -362,7 +387,7 @@ RowsInFlight mpi_alltoallv_rows(Exec const& exec, Topology::Communicator const& 
     // Keep the self segment already written on the device: receive into the
     // host mirror, then copy only the peer segments back.
     Impl::post_rows(comm, hr[i].data(), hs[i].data(), sets[i].send.extent(1), send_counts, recv_counts, sets[i].send_runs,
-                    sets[i].recv_runs, tag++, pending, options, sets[i].one_message);
+                    sets[i].recv_runs, tag++, pending, options, sets[i].one_message || sets[i].send_rows, sets[i].send_rows.get());
   }
   Impl::wait_all(comm, pending, what, options);
   for (std::size_t i = 0; i < sets.size(); ++i) {

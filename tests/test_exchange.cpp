@@ -966,6 +966,87 @@ TEST_CASE("transport: rows a rank placed for itself are not copied over", "[exch
   }
 }
 
+TEST_CASE("transport: a gathered send takes each position's row from where it is, repeats included", "[exchange][transport]") {
+  // A source of 5 rows; send position i to peer p names row (p + me + i) % 5,
+  // and the last position repeats the first (a token's row for two routes).
+  // Each peer's 4 rows travel as one indexed-datatype message and land in
+  // two runs placed back to front; the own rows are the caller's (in place).
+  // A verified flight notices a refilled source; a row outside the source
+  // and a transport that pairs runs are refused before anything moves.
+  Topology::CommunicatorSet comms = one_node_comms();
+  auto const& ep = comms.ep();
+  Exec exec;
+  int const P = ep.size(), me = ep.my_slot();
+  index_t const per = 4, rows = 5;
+  int const width = 24;
+  MpiTransport<Exec, MS> mpi;
+  REQUIRE(mpi.gathers_runs());
+  auto const mark = [](int slot, int row) { return static_cast<unsigned char>(16 * slot + row); };
+  rows_view source("source", rows, width);
+  auto hsrc = Kokkos::create_mirror_view(source);
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < width; ++b) hsrc(r, b) = mark(me, r);
+  Kokkos::deep_copy(source, hsrc);
+  auto const gathered = [&](int bad_row) {
+    auto list = std::make_shared<std::vector<int>>();
+    for (int p = 0; p < P; ++p)
+      for (index_t i = 0; i < per; ++i) list->push_back(static_cast<int>((p + me + (i == per - 1 ? 0 : i)) % rows));
+    if (bad_row >= 0) list->back() = bad_row;
+    return std::shared_ptr<std::vector<int> const>(list);
+  };
+  std::vector<index_t> counts(static_cast<std::size_t>(P), per);
+  RowRuns recv_runs(static_cast<std::size_t>(P));
+  for (int p = 0; p < P; ++p) recv_runs[static_cast<std::size_t>(p)] = {{p * per + 2, 2}, {p * per, 2}};
+  for (bool const staged : {false, true}) {
+    INFO((staged ? "staged through the host" : "direct"));
+    rows_view recv("recv", P * per, width);
+    Kokkos::deep_copy(recv, static_cast<unsigned char>(255));
+    RowSet<MS> set{source, recv, {}, recv_runs, /*self_in_place=*/true};
+    set.send_rows = gathered(-1);
+    TransportOptions options;
+    options.stage_through_host = staged;
+    mpi.alltoallv(exec, ep, {set}, counts, counts, "gathered rows", options);
+    auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), recv);
+    int bad = 0;
+    for (int p = 0; p < P; ++p)
+      for (index_t i = 0; i < per; ++i) {
+        // Position i of peer p's message: its row (me + p + i') % 5 of p's source, in run order.
+        index_t const at = i < 2 ? p * per + 2 + i : p * per + (i - 2);
+        int const row = static_cast<int>((me + p + (i == per - 1 ? 0 : i)) % rows);
+        unsigned char const want = p == me ? 255 : mark(p, row);
+        bad += h(at, 0) != want || h(at, width - 1) != want;
+      }
+    CHECK(bad == 0);
+  }
+  {
+    rows_view recv("recv", P * per, width);
+    RowSet<MS> set{source, recv, {}, recv_runs, true};
+    set.send_rows = gathered(-1);
+    TransportOptions verify;
+    verify.verify_send_rows = true;
+    verify.watchdog_seconds = 60;
+    auto flight = mpi.start_alltoallv(exec, ep, {set}, counts, counts, "gathered rows", verify);
+    Kokkos::deep_copy(source, static_cast<unsigned char>(200));  // refilled while in flight
+    bool const in_flight = Kokkos::SpaceAccessibility<Kokkos::HostSpace, MS>::accessible || mpi_is_cuda_aware();
+    if (P > 1 && in_flight)
+      CHECK_THROWS_WITH(flight.finish(), Catch::Matchers::Contains("gathered rows: the send rows (buffer 0 of 1) changed"));
+    else
+      CHECK_NOTHROW(flight.finish());
+    Kokkos::deep_copy(source, hsrc);
+  }
+  rows_view recv("recv", P * per, width);
+  RowSet<MS> outside{source, recv, {}, recv_runs, true};
+  outside.send_rows = gathered(rows);
+  CHECK_THROWS_WITH(mpi.alltoallv(exec, ep, {outside}, counts, counts, "gathered rows", TransportOptions{}),
+                    Catch::Matchers::Contains("gathered rows: a gathered send names row 5 of a buffer of 5 rows"));
+  MpiTransport<Exec, MS> paired(/*pair_runs=*/true);
+  RowSet<MS> set{source, recv, {}, recv_runs, true};
+  set.send_rows = gathered(-1);
+  CHECK_THROWS_WITH(paired.alltoallv(exec, ep, {set}, counts, counts, "gathered rows", TransportOptions{}),
+                    Catch::Matchers::Contains("cannot gather a peer's rows into one message"));
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 TEST_CASE("transport: an MPI receive takes up to its count", "[exchange][transport]") {
   // Peer slot p sends 1 + p % 3 rows of its 3-row slot (one run, at the
   // slot's static place) into a 3-row receive segment: the rows sent

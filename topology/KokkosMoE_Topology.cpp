@@ -489,9 +489,12 @@ Topology Topology::discover(MPI_Comm comm, LayoutSpec const& spec) {
   });
   if (comm == MPI_COMM_WORLD) {
     // Where every rank runs, for the watchdogs' messages.
-    std::vector<std::string> places;
-    for (auto const& r : result.ranks()) places.push_back("host " + r.host + ", node " + std::to_string(r.node));
-    set_rank_places(std::move(places));
+    std::vector<std::string> places, hosts;
+    for (auto const& r : result.ranks()) {
+      places.push_back("host " + r.host + ", node " + std::to_string(r.node));
+      hosts.push_back(r.host);
+    }
+    set_rank_places(std::move(places), std::move(hosts));
   }
   return result;
 }

@@ -17,6 +17,7 @@
 #include <KokkosMoE_Workspace.hpp>
 
 #include <algorithm>
+#include <climits>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -324,6 +325,46 @@ class ExchangeBase {
       int const me = plan.my_peer_slot;
       bool const skip = skip_own && me >= 0;
       pack(exec, routes, plan, hidden, send, meta, skip ? plan.offsets[me] : 0, skip ? plan.counts[me] : 0);
+    });
+  }
+
+  /// \brief Whether a direct dispatch sends its rows from the hidden rows
+  /// themselves (RowSet::send_rows: MPI reads each route's token row through
+  /// an indexed datatype, and no packed copy is made). Where the transport
+  /// gathers runs (MPI, not NCCL or pair_runs) and MPI reads the memory
+  /// space directly as host memory; device rows are packed by a kernel,
+  /// which is faster there than MPI's datatype engine. The same on every
+  /// rank of a run (it depends on the build and configuration only).
+  bool sends_from_hidden() const {
+    return transport_->gathers_runs() && Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemorySpace>::accessible;
+  }
+
+  /// \brief pack_local for a send from the hidden rows (sends_from_hidden):
+  /// the same checks and metadata, no packed rows. `send` becomes hidden's
+  /// rows as bytes (a contiguous copy only where hidden's rows have gaps)
+  /// and `rows` the hidden row of every send position (its token).
+  template <class T>
+  std::string gather_local(Exec const& exec, DispatchHandle<T, MemorySpace>& h, RoutePlan<MemorySpace> const& routes,
+                           DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden, int waves,
+                           typename RowSet<MemorySpace>::rows_view& send, Kokkos::View<RowMeta*, MemorySpace>& meta,
+                           std::shared_ptr<std::vector<int> const>& rows) {
+    return problem_of([&] {
+      check_dispatch(h, hidden, waves, /*slot_runs=*/true);
+      KOKKOSMOE_REQUIRE(static_cast<index_t>(hidden.extent(0)) == routes.num_tokens && hidden.extent(0) <= INT_MAX,
+                        "pack: hidden has " << hidden.extent(0) << " rows for " << routes.num_tokens << " tokens");
+      auto const source = contiguous_rows(exec, hidden);
+      send = row_bytes_of(source);
+      meta = work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
+      pack_meta(exec, routes, plan, meta);
+      auto token_of = work_.template vector<int>(exec, "send_tokens", plan.rows());
+      auto perm = plan.perm;
+      auto token = routes.token;
+      Kokkos::parallel_for(
+          "KokkosMoE::Exchange::send_tokens", Kokkos::RangePolicy<Exec>(exec, 0, plan.rows()),
+          KOKKOS_LAMBDA(index_t p) { token_of(p) = token(perm(p)); });
+      Compat::fence(exec, "KokkosMoE::Exchange::send_tokens");
+      // Host memory (sends_from_hidden): the indices are read where they are.
+      rows = std::make_shared<std::vector<int> const>(token_of.data(), token_of.data() + plan.rows());
     });
   }
 

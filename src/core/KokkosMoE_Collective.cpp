@@ -97,7 +97,7 @@ std::string comm_name(MPI_Comm comm) {
   return length > 0 ? std::string(name, static_cast<std::size_t>(length)) : std::string("unnamed communicator");
 }
 
-Watchdog::Watchdog(double limit_seconds) : limit_(limit_seconds) {
+Watchdog::Watchdog(double limit_seconds, bool sleeps) : limit_(limit_seconds), sleeps_(sleeps) {
   last_ = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   started_ = last_;
 }
@@ -124,7 +124,7 @@ bool oversubscribed() {
 
 bool Watchdog::expired() {
   double const now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  if (oversubscribed() && now - started_ > spin_before_sleep_seconds) {
+  if (sleeps_ && oversubscribed() && now - started_ > spin_before_sleep_seconds) {
     // More ranks than cores: a rank that has waited a while hands its core
     // over for a moment (a yield need not: a scheduler may run the yielder
     // again at once, and its peer waits a whole time slice). Short waits
@@ -203,27 +203,46 @@ std::vector<std::string>& places() {
   static std::vector<std::string> p;
   return p;
 }
+std::vector<std::string>& hosts() {
+  static std::vector<std::string> h;
+  return h;
+}
+/// World rank of rank `rank` of comm (-1 where it has none).
+int world_rank_of(MPI_Comm comm, int rank) {
+  if (comm == MPI_COMM_WORLD || comm == MPI_COMM_NULL) return rank;
+  int world = -1;
+  MPI_Group group, world_group;
+  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS) return -1;
+  MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+  MPI_Group_translate_ranks(group, 1, &rank, world_group, &world);
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  return world == MPI_UNDEFINED ? -1 : world;
+}
 }  // namespace
 
-void set_rank_places(std::vector<std::string> p) {
+void set_rank_places(std::vector<std::string> p, std::vector<std::string> h) {
   std::lock_guard<std::mutex> lock(places_mutex);
   places() = std::move(p);
+  hosts() = std::move(h);
 }
 
 std::string rank_place(MPI_Comm comm, int rank) {
-  int world = rank;
-  if (comm != MPI_COMM_WORLD && comm != MPI_COMM_NULL) {
-    MPI_Group group, world_group;
-    if (MPI_Comm_group(comm, &group) != MPI_SUCCESS) return {};
-    MPI_Comm_group(MPI_COMM_WORLD, &world_group);
-    MPI_Group_translate_ranks(group, 1, &rank, world_group, &world);
-    MPI_Group_free(&group);
-    MPI_Group_free(&world_group);
-  }
+  int const world = world_rank_of(comm, rank);
   std::lock_guard<std::mutex> lock(places_mutex);
   auto const& p = places();
   if (world < 0 || world >= static_cast<int>(p.size()) || p[static_cast<std::size_t>(world)].empty()) return {};
   return " on " + p[static_cast<std::size_t>(world)];
+}
+
+bool shares_host(MPI_Comm comm, int rank) {
+  int const world = world_rank_of(comm, rank);
+  int me = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  std::lock_guard<std::mutex> lock(places_mutex);
+  auto const& h = hosts();
+  auto known = [&](int r) { return r >= 0 && r < static_cast<int>(h.size()) && !h[static_cast<std::size_t>(r)].empty(); };
+  return known(world) && known(me) && h[static_cast<std::size_t>(world)] == h[static_cast<std::size_t>(me)];
 }
 
 void wait_watched(MPI_Request& request, MPI_Comm comm, char const* what, double watchdog_seconds) {

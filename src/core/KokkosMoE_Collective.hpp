@@ -53,7 +53,10 @@ class CollectiveError : public Error {
 class Watchdog {
  public:
   /// \param limit_seconds how long a wait may last (0: forever).
-  explicit Watchdog(double limit_seconds);
+  /// \param sleeps whether an oversubscribed wait may sleep between polls
+  /// (see oversubscribed); false: it only yields, for waits whose bytes move
+  /// inside this process's own MPI calls (shared memory within a host).
+  explicit Watchdog(double limit_seconds, bool sleeps = true);
   /// \brief Advances the clock; true once the limit is exceeded.
   bool expired();
   /// \brief Seconds counted so far.
@@ -66,6 +69,7 @@ class Watchdog {
   double last_;
   double started_;
   int spins_ = 0;
+  bool sleeps_ = true;
 };
 
 /// \brief True when this host runs more ranks than it has cores (the
@@ -100,8 +104,13 @@ std::vector<int> missing_ranks(MPI_Comm comm, double grace_seconds);
 /// \brief Records where every rank of MPI_COMM_WORLD runs ("host kmoe-h1,
 /// node 1"), index = world rank, so that watchdog messages name the host
 /// and node of a peer that does not answer (a stopped process, a link
-/// down). Topology::discover records it; empty entries are unknown.
-void set_rank_places(std::vector<std::string> places);
+/// down), and on which host (hosts, index = world rank). Topology::discover
+/// records them; empty entries are unknown.
+void set_rank_places(std::vector<std::string> places, std::vector<std::string> hosts = {});
+
+/// \brief Whether rank `rank` of comm runs on this process's host (its host
+/// name, see set_rank_places, is this rank's); false where unknown.
+bool shares_host(MPI_Comm comm, int rank);
 
 /// \brief " on <place>" for rank `rank` of comm, where its place is known
 /// (see set_rank_places), else "".
