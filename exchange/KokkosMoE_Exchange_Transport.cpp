@@ -6,6 +6,7 @@
 #endif
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <mutex>
 #include <set>
@@ -217,8 +218,12 @@ void wait_all(Topology::Communicator const& comm, std::vector<Pending>& pending,
   // each poll copies the next fragments), so a wait among them polls
   // without sleeping when oversubscribed (it yields); rows from another
   // host move through the kernel's network stack, which a sleeping poll
-  // leaves the core to.
-  bool const one_host = oversubscribed() && std::all_of(pending.begin(), pending.end(), [&](Pending const& p) {
+  // leaves the core to. KOKKOSMOE_WAIT=sleep makes every wait sleep.
+  static bool const sleep_always = [] {
+    char const* w = std::getenv("KOKKOSMOE_WAIT");
+    return w && std::string(w) == "sleep";
+  }();
+  bool const one_host = !sleep_always && oversubscribed() && std::all_of(pending.begin(), pending.end(), [&](Pending const& p) {
                           return shares_host(comm.comm(), p.peer_slot);
                         });
   Watchdog dog(options.watchdog_seconds, /*sleeps=*/!one_host);
