@@ -180,6 +180,27 @@ inline PlannerRoutes planner_routes(PlannerLayout const& l, Dist dist, unsigned 
   return r;
 }
 
+/// Global route ids: bases[r] is the id of rank r's first route when every
+/// rank has `mine` routes of its own; total is all ranks' routes.
+/// Collective over MPI_COMM_WORLD.
+struct RouteBases {
+  std::vector<KokkosMoE::index_t> bases;
+  KokkosMoE::index_t total = 0;
+};
+inline RouteBases route_bases(KokkosMoE::index_t mine) {
+  RouteBases r;
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  r.bases.resize(static_cast<std::size_t>(size));
+  MPI_Allgather(&mine, 1, MPI_INT64_T, r.bases.data(), 1, MPI_INT64_T, MPI_COMM_WORLD);
+  for (auto& b : r.bases) {
+    KokkosMoE::index_t const c = b;
+    b = r.total;
+    r.total += c;
+  }
+  return r;
+}
+
 /// One step through an exchange (any algorithm of the contract) built on
 /// `placement`. bases[r] is the global route id of rank r's first route.
 template <class ExchangeT>

@@ -213,15 +213,7 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
         for (std::size_t i = 0; i < x.size(); ++i) h.data()[i] = x[i];
         Kokkos::deep_copy(hidden, h);
       }
-      std::vector<index_t> bases(static_cast<std::size_t>(size));
-      index_t const mine = static_cast<index_t>(tokens) * k;
-      MPI_Allgather(&mine, 1, MPI_INT64_T, bases.data(), 1, MPI_INT64_T, MPI_COMM_WORLD);
-      index_t total_routes = 0;
-      for (auto& b : bases) {
-        index_t const c = b;
-        b = total_routes;
-        total_routes += c;
-      }
+      auto const [bases, total_routes] = route_bases(static_cast<index_t>(tokens) * k);
       // Reference: direct token-major evaluation of the same routes (the
       // single-process result; locality choice only picks among copies of
       // the same expert, which have the same scale).

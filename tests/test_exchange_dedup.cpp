@@ -111,15 +111,7 @@ TEST_CASE("hierarchical_dedup: the documented summation tree bit for bit, the fl
         auto routes = random_routes(dist, rank, size, experts, k, rng, tokens);
         std::vector<float> x;
         auto hidden = distinct_rows(tokens, d, rank, x, rng);
-        std::vector<index_t> bases(static_cast<std::size_t>(size));
-        index_t const mine = static_cast<index_t>(tokens) * k;
-        MPI_Allgather(&mine, 1, MPI_INT64_T, bases.data(), 1, MPI_INT64_T, MPI_COMM_WORLD);
-        index_t total = 0;
-        for (auto& b : bases) {
-          index_t const c = b;
-          b = total;
-          total += c;
-        }
+        auto const [bases, total] = route_bases(static_cast<index_t>(tokens) * k);
         for (int R : {1, rpn >= 2 ? 2 : 1}) {
           for (PayloadType type : {PayloadType::fp32, PayloadType::bf16}) {
             Topology::CommSpec spec;
