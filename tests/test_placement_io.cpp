@@ -132,21 +132,17 @@ TEST_CASE("Load files: HDF5 [L, E] and [E] datasets", "[placement][io][mpi][hdf5
   if (kmoe_test::world_rank() == 0) {
     long long const counts[5] = {5, 0, 3, 9, 1};
     hsize_t dims[1] = {5};
-    hid_t f = H5Fcreate(path1.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
-    hid_t sp = H5Screate_simple(1, dims, nullptr);
-    hid_t d = H5Dcreate2(f, "/load", H5T_STD_I64LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    H5Dwrite(d, H5T_NATIVE_LLONG, H5S_ALL, H5S_ALL, H5P_DEFAULT, counts);
-    H5Dclose(d);
-    H5Sclose(sp);
-    H5Fclose(f);
-    // A file without "/load".
-    hid_t g = H5Fcreate(path_none.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
-    hid_t sp2 = H5Screate_simple(1, dims, nullptr);
-    hid_t d2 = H5Dcreate2(g, "/counts", H5T_STD_I64LE, sp2, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    H5Dwrite(d2, H5T_NATIVE_LLONG, H5S_ALL, H5S_ALL, H5P_DEFAULT, counts);
-    H5Dclose(d2);
-    H5Sclose(sp2);
-    H5Fclose(g);
+    // The counts as the one dataset of a new file: "/load", and "/counts"
+    // for a file without "/load".
+    for (auto const& [path, name] : {std::pair{path1, "/load"}, std::pair{path_none, "/counts"}}) {
+      hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+      hid_t sp = H5Screate_simple(1, dims, nullptr);
+      hid_t d = H5Dcreate2(f, name, H5T_STD_I64LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+      H5Dwrite(d, H5T_NATIVE_LLONG, H5S_ALL, H5S_ALL, H5P_DEFAULT, counts);
+      H5Dclose(d);
+      H5Sclose(sp);
+      H5Fclose(f);
+    }
   }
   MPI_Barrier(MPI_COMM_WORLD);
   CHECK(read_load_matrix(MPI_COMM_WORLD, path1) == Matrix{{5, 0, 3, 9, 1}});
