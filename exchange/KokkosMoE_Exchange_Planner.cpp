@@ -121,7 +121,8 @@ std::vector<ByteLedger> plan_flat(PlanInput const& in) {
                           ? slot_run_matrix(routes, N)
                           : Matrix(static_cast<std::size_t>(N), std::vector<std::int64_t>(static_cast<std::size_t>(N), 1));
   // FlatExchange's send from the hidden rows: MPI gathers runs, host rows.
-  bool const gathered = receives_into_experts(in) && in.config.transport == TransportKind::mpi && !in.config.pair_runs && in.host_rows;
+  bool const gathered = receives_into_experts(in) && in.config.transport == TransportKind::mpi && !in.config.pair_runs && in.host_rows &&
+                        in.topology.single_host();
   std::vector<ByteLedger> out(static_cast<std::size_t>(N), blank(Algorithm::flat, in));
   std::string const ep = "kmoe-ep";
   for (int me = 0; me < N; ++me) {

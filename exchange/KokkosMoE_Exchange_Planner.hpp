@@ -44,9 +44,10 @@ struct PlanInput {
   /// straight to and from their expert-major places (ExchangeConfig::receive_into_experts).
   PayloadType rows = PayloadType::fp32;
   /// Whether the exchange's rows are in memory MPI reads as host memory (the
-  /// default memory space's, unless told): there the flat exchange over MPI
-  /// sends each peer its rows as one message gathered from the hidden rows
-  /// (ExchangeBase::sends_from_hidden), not one message per slot run.
+  /// default memory space's, unless told): there, with every rank on one
+  /// host, the flat exchange over MPI sends each peer its rows as one message
+  /// gathered from the hidden rows (ExchangeBase::sends_from_hidden), not
+  /// one message per slot run.
   bool host_rows = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Kokkos::DefaultExecutionSpace::memory_space>::accessible;
 };
 

@@ -112,6 +112,12 @@ class Topology {
   std::vector<int> const& ranks_of_node(int n) const { return node_ranks_.at(static_cast<std::size_t>(n)); }
   NodeHardware const& node_hardware(int n) const { return node_hw_.at(static_cast<std::size_t>(n)); }
   int min_ranks_per_node() const;
+  /// \brief True when every rank runs on one host (one host name).
+  bool single_host() const {
+    for (auto const& r : ranks_)
+      if (r.host != ranks_.front().host) return false;
+    return true;
+  }
 
   /// \brief JSON text of the whole record (ranks, nodes, hardware).
   std::string to_json(int indent = 2) const;

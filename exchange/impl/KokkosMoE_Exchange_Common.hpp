@@ -333,10 +333,14 @@ class ExchangeBase {
   /// an indexed datatype, and no packed copy is made). Where the transport
   /// gathers runs (MPI, not NCCL or pair_runs) and MPI reads the memory
   /// space directly as host memory; device rows are packed by a kernel,
-  /// which is faster there than MPI's datatype engine. The same on every
-  /// rank of a run (it depends on the build and configuration only).
+  /// which is faster there than MPI's datatype engine. Only where every rank
+  /// runs on one host: shared memory copies a gathered row once, while a
+  /// network transport packs it into its fragments anyway and a contiguous
+  /// send goes from the packed rows directly (measured slower across hosts).
+  /// The same on every rank of a run (build, configuration and topology).
   bool sends_from_hidden() const {
-    return transport_->gathers_runs() && Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemorySpace>::accessible;
+    return transport_->gathers_runs() && Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemorySpace>::accessible &&
+           comms_->topology().single_host();
   }
 
   /// \brief pack_local for a send from the hidden rows (sends_from_hidden):
