@@ -1,9 +1,12 @@
 // kmoe-info: what this build is and where every rank runs.
 //
 //   mpiexec -n 4 kmoe-info [--kokkos-...]
+//   kmoe-info --build
 //
 // Rank 0 prints the build, the Kokkos configuration and the MPI size; then one
 // line per rank (host, node, local rank, hwloc binding, NUMA, GPU, NIC).
+// --build prints only the build line, without starting MPI or Kokkos: it
+// works where the build's GPU is absent (a login node, a compile host).
 
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Topology.hpp>
@@ -15,10 +18,15 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <sstream>
 
 int main(int argc, char* argv[]) {
+  if (argc == 2 && std::strcmp(argv[1], "--build") == 0) {
+    std::cout << KokkosMoE::build_summary() << std::endl;
+    return 0;
+  }
   return kmoe_app::run(argc, argv, "kmoe-info", [&](int rank) {
     int const size = KokkosMoE::comm_size(MPI_COMM_WORLD);
     if (rank == 0) {

@@ -16,7 +16,8 @@
 #    linked.
 #
 # Results: KokkosMoE_KOKKOS_VERSION, KokkosMoE_KOKKOS_FLAVOR (standalone|trilinos),
-# KokkosMoE_KOKKOS_DEVICES, KokkosMoE_KOKKOS_HAS_CUDA, KokkosMoE_KOKKOS_HAS_OPENMP,
+# KokkosMoE_KOKKOS_DEVICES, KokkosMoE_KOKKOS_HAS_CUDA, KokkosMoE_KOKKOS_HAS_HIP,
+# KokkosMoE_KOKKOS_HAS_GPU (CUDA or HIP), KokkosMoE_KOKKOS_HAS_OPENMP,
 # KokkosMoE_HAVE_KOKKOSKERNELS.
 #
 # Input: KokkosMoE_ENABLE_KOKKOSKERNELS (AUTO|ON|OFF).
@@ -48,9 +49,17 @@ endif()
 set(KokkosMoE_KOKKOS_DEVICES ${Kokkos_DEVICES})
 
 set(KokkosMoE_KOKKOS_HAS_CUDA OFF)
+set(KokkosMoE_KOKKOS_HAS_HIP OFF)
 set(KokkosMoE_KOKKOS_HAS_OPENMP OFF)
 if(CUDA IN_LIST Kokkos_DEVICES OR Kokkos_ENABLE_CUDA)
   set(KokkosMoE_KOKKOS_HAS_CUDA ON)
+endif()
+if(HIP IN_LIST Kokkos_DEVICES OR Kokkos_ENABLE_HIP)
+  set(KokkosMoE_KOKKOS_HAS_HIP ON)
+endif()
+set(KokkosMoE_KOKKOS_HAS_GPU OFF)
+if(KokkosMoE_KOKKOS_HAS_CUDA OR KokkosMoE_KOKKOS_HAS_HIP)
+  set(KokkosMoE_KOKKOS_HAS_GPU ON)
 endif()
 if(OPENMP IN_LIST Kokkos_DEVICES OR Kokkos_ENABLE_OPENMP)
   set(KokkosMoE_KOKKOS_HAS_OPENMP ON)

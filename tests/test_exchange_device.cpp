@@ -1,6 +1,6 @@
-// Device transports (built with Kokkos CUDA): the NCCL transport and the MPI
-// transport on device buffers (CUDA-aware or staged through host mirrors,
-// and staged on request) give the same rows as the host reference, for the
+// Device transports (built with Kokkos CUDA or HIP): the NCCL transport (CUDA)
+// and the MPI transport on device buffers (GPU-aware or staged through host
+// mirrors, and staged on request) give the same rows as the host reference, for the
 // flat, hierarchical and pooled-wave exchanges alike. Ranks
 // that share a GPU get NCCL's refusal in words on every rank. Skipped (exit
 // code 77) when no GPU is visible.

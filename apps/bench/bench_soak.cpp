@@ -31,6 +31,7 @@
 
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Deck.hpp>
+#include <KokkosMoE_DeviceRuntime.hpp>
 #include <KokkosMoE_Digest.hpp>
 #include <KokkosMoE_Eplb.hpp>
 #include <KokkosMoE_HostHeap.hpp>
@@ -41,28 +42,12 @@
 
 #include <cstdio>
 #include <memory>
-#if defined(KOKKOS_ENABLE_CUDA)
-#include <cuda_runtime.h>
-#endif
 
 namespace {
 
 using namespace KokkosMoE;
 using Exec = Kokkos::DefaultExecutionSpace;
 using MS = Exec::memory_space;
-
-/// Memory in use on this rank's GPU in MiB (the whole device: every process
-/// on it), -1 without a CUDA build. Host RSS does not see device views.
-double device_used_mb() {
-#if defined(KOKKOS_ENABLE_CUDA)
-  Kokkos::fence();
-  std::size_t free_bytes = 0, total_bytes = 0;
-  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return -1.0;
-  return static_cast<double>(total_bytes - free_bytes) / (1024.0 * 1024.0);
-#else
-  return -1.0;
-#endif
-}
 
 struct SoakOptions {
   std::string deck = "inputs/deepseek_v3.toml";
@@ -194,7 +179,7 @@ int soak(LayerDeck const& deck, SoakOptions const& o, std::string const& heap_po
     allreduce_watched(&mine, &step_s, 1, MPI_DOUBLE, MPI_MAX, world, "soak: step time", watchdog);
     if (s + 1 == warm_step) {
       heap_start = host_heap_stats();
-      device_start = device_used_mb();
+      device_start = gpu_memory_used_mb();  // host RSS does not see device views
     }
     if (s >= warm_step && s < warm_step + o.rebalance_every) early_s += step_s, ++early_n;
     if (s >= late_from) late_s += step_s, ++late_n;
@@ -205,7 +190,7 @@ int soak(LayerDeck const& deck, SoakOptions const& o, std::string const& heap_po
     }
   }
   HostHeapStats const heap_end = host_heap_stats();
-  double const device_end = device_used_mb();
+  double const device_end = gpu_memory_used_mb();
   auto growth_of = [](double a, double b) { return a >= 0 && b >= 0 ? b - a : 0.0; };
   auto private_mb = [](HostHeapStats const& h) { return h.resident_mb >= 0 && h.shared_mb >= 0 ? h.resident_mb - h.shared_mb : -1.0; };
   double r[6] = {growth_of(heap_start.resident_mb, heap_end.resident_mb), heap_start.resident_mb, heap_end.resident_mb,

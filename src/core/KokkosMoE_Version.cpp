@@ -1,3 +1,4 @@
+#include <KokkosMoE_DeviceRuntime.hpp>
 #include <KokkosMoE_GitHash.hpp>  // generated at build time
 #include <KokkosMoE_KokkosCompat.hpp>
 #include <KokkosMoE_Version.hpp>
@@ -34,6 +35,28 @@ std::string build_summary() {
       "off"
 #endif
       ;
+  // What a GPU build runs: the expert and router GEMMs, and how device
+  // buffers reach MPI.
+  std::string const gpu = gpu_runtime();
+  if (gpu != "none") {
+    os << " GPU=" << gpu << " GEMM="
+#if defined(KOKKOSMOE_HAVE_CUBLAS)
+       << "cuBLAS"
+#elif defined(KOKKOSMOE_HAVE_KOKKOSKERNELS)
+       << "KokkosKernels"
+#else
+       << "portable (no vendor BLAS)"
+#endif
+       << " MPI device buffers="
+#if KOKKOSMOE_CUDA_AWARE_MPI_POLICY == 1
+       << "direct (forced)"
+#elif KOKKOSMOE_CUDA_AWARE_MPI_POLICY == 0
+       << "host staging"
+#else
+       << "run-time query"
+#endif
+        ;
+  }
   return os.str();
 }
 

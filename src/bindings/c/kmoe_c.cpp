@@ -8,6 +8,7 @@
 
 #include <KokkosMoE_Collective.hpp>
 #include <KokkosMoE_Deck.hpp>
+#include <KokkosMoE_DeviceRuntime.hpp>
 #include <KokkosMoE_Digest.hpp>
 #include <KokkosMoE_Eplb.hpp>
 #include <KokkosMoE_Experts_ReplicaGradients.hpp>
@@ -20,10 +21,6 @@
 
 #include <Kokkos_Core.hpp>
 #include <nlohmann/json.hpp>
-
-#if defined(KOKKOS_ENABLE_CUDA)
-#include <cuda_runtime.h>
-#endif
 
 #include <cmath>
 #include <cstring>
@@ -550,17 +547,12 @@ kmoe_status kmoe_layer_digest(kmoe_layer* layer, const void* out, int64_t tokens
     std::size_t const bytes = problem.empty() ? static_cast<std::size_t>(tokens) * static_cast<std::size_t>(hidden_dim) * dtype_size(layer->dtype()) : 0;
     void const* rows = out;
     std::vector<unsigned char> staged;  // device rows, read on the host
-#if defined(KOKKOS_ENABLE_CUDA)
-    cudaPointerAttributes attributes;
-    if (bytes > 0 && cudaPointerGetAttributes(&attributes, out) == cudaSuccess && attributes.type == cudaMemoryTypeDevice) {
-      Kokkos::fence("kmoe_layer_digest");
+    if (bytes > 0 && is_device_pointer(out)) {
       staged.resize(bytes);
-      cudaError_t const rc = cudaMemcpy(staged.data(), out, bytes, cudaMemcpyDeviceToHost);
-      if (rc != cudaSuccess) problem = std::string("kmoe_layer_digest: copying the device rows failed: ") + cudaGetErrorString(rc);
+      std::string const failed = copy_device_to_host(staged.data(), out, bytes);
+      if (!failed.empty()) problem = "kmoe_layer_digest: copying the device rows failed: " + failed;
       rows = staged.data();
     }
-    (void)cudaGetLastError();  // a host pointer the runtime does not know is not an error here
-#endif
     agree_arguments(layer->comm, problem, "kmoe_layer_digest arguments", layer->watchdog());
     std::string const d = ranks_digest(layer->comm, rows, bytes, layer->watchdog());
     std::memcpy(digest, d.c_str(), 17);

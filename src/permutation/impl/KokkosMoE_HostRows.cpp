@@ -6,9 +6,10 @@
 
 // GCC and Clang on x86-64 build one clone per ISA level and pick it through an
 // ifunc at load time. This file is compiled with -ffp-contract=off (see
-// src/CMakeLists.txt) so that no clone fuses a multiply and an add.
+// src/CMakeLists.txt) so that no clone fuses a multiply and an add. (A HIP
+// build's device pass sees the host's macros but has no multiversioning.)
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(__CUDACC__) && \
-    !defined(__NVCOMPILER) && !defined(__INTEL_LLVM_COMPILER) && defined(__linux__)
+    !defined(__HIP_DEVICE_COMPILE__) && !defined(__NVCOMPILER) && !defined(__INTEL_LLVM_COMPILER) && defined(__linux__)
 #define KOKKOSMOE_HOST_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KOKKOSMOE_HOST_CLONES
