@@ -178,7 +178,9 @@ EOF
     echo "the job ended $took s after the link went down (exit $rc)"
     [ "$rc" -ne 0 ] || fail "the job succeeded although a link was down"
     [ "$took" -le "$limit" ] || fail "the job took $took s to end (watchdog $watchdog s + 30 s = $limit s)"
-    grep -qE "no answer from rank.* on host ${name}-h[01], node [01]" "$work/long.log" ||
+    # A watched collective names the ranks that did not answer; a transfer
+    # wait names the peers it still waits for. Either names host and node.
+    grep -qE "(no answer from rank|still waiting to receive from).* on host ${name}-h[01], node [01]" "$work/long.log" ||
       fail "no message naming the unreachable peer's host and node"
     ;;
 esac
