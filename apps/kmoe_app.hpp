@@ -7,7 +7,8 @@
 // reach every rank, so every rank prints and finalizes; any other error is
 // this rank's alone (a watchdog that gave up on a missing peer, a local
 // failure): its peers may be waiting for it, so it aborts the job instead of
-// finalizing, and every rank ends.
+// finalizing, and every rank ends. A GPU build on a process that sees no
+// GPU says so and exits 1 before Kokkos starts.
 //
 // Fault injection for tests (no special build): KOKKOSMOE_FAULT=<kind>:<rank>:<step>
 // makes world rank <rank> fail at the start of step <step> of a stepping app
@@ -15,6 +16,7 @@
 // local error on that rank only).
 
 #include <KokkosMoE_Collective.hpp>
+#include <KokkosMoE_DeviceRuntime.hpp>
 
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
@@ -32,6 +34,21 @@
 #include <vector>
 
 namespace kmoe_app {
+
+/// Collective over MPI_COMM_WORLD (after MPI_Init, before Kokkos starts):
+/// false, with one line per rank on stderr, where this is a GPU build and
+/// some rank's process sees no GPU (Kokkos would abort there); true in a
+/// host build.
+inline bool every_rank_has_gpu(char const* name) {
+  int fewest = 0, devices = KokkosMoE::gpu_devices();  // -1: a host build
+  MPI_Allreduce(&devices, &fewest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (fewest != 0) return true;
+  int world = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world);
+  std::fprintf(stderr, "%s (rank %d): this is a %s build and %s; run it where every rank has a GPU\n", name, world,
+               KokkosMoE::gpu_runtime(), devices == 0 ? "this process sees no GPU" : "another rank sees no GPU");
+  return false;
+}
 
 /// Slowest rank's time of every stage (same key set on every rank).
 inline std::map<std::string, double> slowest(std::map<std::string, double> const& local, MPI_Comm comm, double watchdog) {
@@ -73,6 +90,10 @@ template <class Body>
 int run(int argc, char* argv[], char const* name, Body&& body) {
   MPI_Init(&argc, &argv);
   int rc = 0;
+  if (!every_rank_has_gpu(name)) {
+    MPI_Finalize();
+    return 1;
+  }
   {
     Kokkos::ScopeGuard guard(argc, argv);
     int const rank = KokkosMoE::comm_rank(MPI_COMM_WORLD);

@@ -34,6 +34,8 @@
 #include <KokkosMoE_RouteTrace.hpp>
 #include <KokkosMoE_Version.hpp>
 
+#include "kmoe_app.hpp"
+
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <mpi.h>
@@ -346,6 +348,10 @@ int run(Options const& o, MPI_Comm comm) {
 int main(int argc, char* argv[]) {
   MPI_Init(&argc, &argv);
   int rc = 0;
+  if (!kmoe_app::every_rank_has_gpu("kmoe-eplb")) {
+    MPI_Finalize();
+    return 1;
+  }
   {
     Kokkos::ScopeGuard guard(argc, argv);
     int const rank = KokkosMoE::comm_rank(MPI_COMM_WORLD);

@@ -213,7 +213,11 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
         for (std::size_t i = 0; i < x.size(); ++i) h.data()[i] = x[i];
         Kokkos::deep_copy(hidden, h);
       }
-      auto const [bases, total_routes] = route_bases(static_cast<index_t>(tokens) * k);
+      // (Named members, not a structured binding: C++17 lambdas below may
+      // not capture one.)
+      auto const route_ids = route_bases(static_cast<index_t>(tokens) * k);
+      auto const& bases = route_ids.bases;
+      index_t const total_routes = route_ids.total;
       // Reference: direct token-major evaluation of the same routes (the
       // single-process result; locality choice only picks among copies of
       // the same expert, which have the same scale).
@@ -255,7 +259,9 @@ TEST_CASE("random routings: every algorithm equals the reference bitwise; ledger
             auto copies = fp32;
             copies.receive_into_experts = false;
             Exec exec;
-            auto const [rp, plan] = plans_of(comms, placement, routes, rank, bases[rank], nor[rank]);
+            auto const plans = plans_of(comms, placement, routes, rank, bases[rank], nor[rank]);
+            auto const& rp = plans.first;
+            auto const& plan = plans.second;
             auto same_with_copies = [&](auto& direct, auto& with_copies, auto const& rd, char const* what) {
               INFO(what << " with repack copies");
               REQUIRE(direct.template receives_into_experts<float>());

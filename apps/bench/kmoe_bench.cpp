@@ -4,6 +4,7 @@
 //   kmoe-bench list            the modes
 //   kmoe-bench <mode> --help   a mode's options
 
+#include "../kmoe_app.hpp"
 #include "kmoe_bench_common.hpp"
 
 #include <KokkosMoE_Version.hpp>
@@ -15,6 +16,10 @@
 int main(int argc, char* argv[]) {
   MPI_Init(&argc, &argv);
   int rc = 0;
+  if (!kmoe_app::every_rank_has_gpu("kmoe-bench")) {
+    MPI_Finalize();
+    return 1;
+  }
   {
     Kokkos::ScopeGuard guard(argc, argv);
     int rank = 0;
