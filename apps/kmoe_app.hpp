@@ -50,6 +50,15 @@ inline bool every_rank_has_gpu(char const* name) {
   return false;
 }
 
+/// MPI_Init, then every_rank_has_gpu: false (MPI finalized, exit 1) where
+/// a rank has no GPU to run on. Every app starts here.
+inline bool start_mpi(int& argc, char**& argv, char const* name) {
+  MPI_Init(&argc, &argv);
+  if (every_rank_has_gpu(name)) return true;
+  MPI_Finalize();
+  return false;
+}
+
 /// Slowest rank's time of every stage (same key set on every rank).
 inline std::map<std::string, double> slowest(std::map<std::string, double> const& local, MPI_Comm comm, double watchdog) {
   std::vector<std::string> keys;
@@ -88,12 +97,8 @@ inline void same_command_line(int argc, char* argv[]) {
 /// returns the exit code.
 template <class Body>
 int run(int argc, char* argv[], char const* name, Body&& body) {
-  MPI_Init(&argc, &argv);
+  if (!start_mpi(argc, argv, name)) return 1;
   int rc = 0;
-  if (!every_rank_has_gpu(name)) {
-    MPI_Finalize();
-    return 1;
-  }
   {
     Kokkos::ScopeGuard guard(argc, argv);
     int const rank = KokkosMoE::comm_rank(MPI_COMM_WORLD);

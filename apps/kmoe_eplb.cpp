@@ -346,12 +346,8 @@ int run(Options const& o, MPI_Comm comm) {
 }  // namespace
 
 int main(int argc, char* argv[]) {
-  MPI_Init(&argc, &argv);
+  if (!kmoe_app::start_mpi(argc, argv, "kmoe-eplb")) return 1;
   int rc = 0;
-  if (!kmoe_app::every_rank_has_gpu("kmoe-eplb")) {
-    MPI_Finalize();
-    return 1;
-  }
   {
     Kokkos::ScopeGuard guard(argc, argv);
     int const rank = KokkosMoE::comm_rank(MPI_COMM_WORLD);

@@ -14,12 +14,8 @@
 #include <exception>
 
 int main(int argc, char* argv[]) {
-  MPI_Init(&argc, &argv);
+  if (!kmoe_app::start_mpi(argc, argv, "kmoe-bench")) return 1;
   int rc = 0;
-  if (!kmoe_app::every_rank_has_gpu("kmoe-bench")) {
-    MPI_Finalize();
-    return 1;
-  }
   {
     Kokkos::ScopeGuard guard(argc, argv);
     int rank = 0;

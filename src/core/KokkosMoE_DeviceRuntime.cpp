@@ -1,5 +1,7 @@
 // GPU runtime calls outside Kokkos (see KokkosMoE_DeviceRuntime.hpp): the one
-// place that names the CUDA and HIP runtime APIs.
+// place that names the CUDA and HIP runtime APIs. Both runtimes spell the
+// calls used here alike but for the prefix (cudaX / hipX), so one body
+// serves both through KOKKOSMOE_GPU(X).
 
 #include <KokkosMoE_DeviceRuntime.hpp>
 
@@ -7,78 +9,53 @@
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cuda_runtime.h>
+#define KOKKOSMOE_GPU(name) cuda##name
+#define KOKKOSMOE_GPU_RUNTIME "CUDA"
+using gpu_pointer_attributes = cudaPointerAttributes;
 #elif defined(KOKKOS_ENABLE_HIP)
 #include <hip/hip_runtime.h>
+#define KOKKOSMOE_GPU(name) hip##name
+#define KOKKOSMOE_GPU_RUNTIME "HIP"
+using gpu_pointer_attributes = hipPointerAttribute_t;
 #endif
 
 namespace KokkosMoE {
 
-#if defined(KOKKOS_ENABLE_CUDA)
+#if defined(KOKKOSMOE_GPU_RUNTIME)
 
-char const* gpu_runtime() { return "CUDA"; }
+char const* gpu_runtime() { return KOKKOSMOE_GPU_RUNTIME; }
 
 int gpu_devices() {
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
-  (void)cudaGetLastError();
+  if (KOKKOSMOE_GPU(GetDeviceCount)(&devices) != KOKKOSMOE_GPU(Success)) devices = 0;
+  (void)KOKKOSMOE_GPU(GetLastError)();
   return devices;
 }
 
 double gpu_memory_used_mb() {
   Kokkos::fence("KokkosMoE::gpu_memory_used_mb");
   std::size_t free_bytes = 0, total_bytes = 0;
-  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return -1.0;
+  if (KOKKOSMOE_GPU(MemGetInfo)(&free_bytes, &total_bytes) != KOKKOSMOE_GPU(Success)) return -1.0;
   return static_cast<double>(total_bytes - free_bytes) / (1024.0 * 1024.0);
 }
 
 bool is_device_pointer(void const* p) {
-  cudaPointerAttributes attributes;
-  bool const device = p && cudaPointerGetAttributes(&attributes, p) == cudaSuccess && attributes.type == cudaMemoryTypeDevice;
-  (void)cudaGetLastError();  // a host pointer the runtime does not know is not an error here
-  return device;
-}
-
-std::string copy_device_to_host(void* dst, void const* src, std::size_t bytes) {
-  Kokkos::fence("KokkosMoE::copy_device_to_host");
-  cudaError_t const rc = cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost);
-  return rc == cudaSuccess ? std::string() : std::string(cudaGetErrorString(rc));
-}
-
-#elif defined(KOKKOS_ENABLE_HIP)
-
-char const* gpu_runtime() { return "HIP"; }
-
-int gpu_devices() {
-  int devices = 0;
-  if (hipGetDeviceCount(&devices) != hipSuccess) devices = 0;
-  (void)hipGetLastError();
-  return devices;
-}
-
-double gpu_memory_used_mb() {
-  Kokkos::fence("KokkosMoE::gpu_memory_used_mb");
-  std::size_t free_bytes = 0, total_bytes = 0;
-  if (hipMemGetInfo(&free_bytes, &total_bytes) != hipSuccess) return -1.0;
-  return static_cast<double>(total_bytes - free_bytes) / (1024.0 * 1024.0);
-}
-
-bool is_device_pointer(void const* p) {
-  hipPointerAttribute_t attributes;
-  bool device = p && hipPointerGetAttributes(&attributes, p) == hipSuccess;
-  // ROCm 6 renamed the field (memoryType -> type).
-#if HIP_VERSION_MAJOR >= 6
-  device = device && attributes.type == hipMemoryTypeDevice;
-#else
+  gpu_pointer_attributes attributes;
+  bool device = p && KOKKOSMOE_GPU(PointerGetAttributes)(&attributes, p) == KOKKOSMOE_GPU(Success);
+  // ROCm before 6 names the field memoryType.
+#if defined(KOKKOS_ENABLE_HIP) && HIP_VERSION_MAJOR < 6
   device = device && attributes.memoryType == hipMemoryTypeDevice;
+#else
+  device = device && attributes.type == KOKKOSMOE_GPU(MemoryTypeDevice);
 #endif
-  (void)hipGetLastError();  // a host pointer the runtime does not know is not an error here
+  (void)KOKKOSMOE_GPU(GetLastError)();  // a host pointer the runtime does not know is not an error here
   return device;
 }
 
 std::string copy_device_to_host(void* dst, void const* src, std::size_t bytes) {
   Kokkos::fence("KokkosMoE::copy_device_to_host");
-  hipError_t const rc = hipMemcpy(dst, src, bytes, hipMemcpyDeviceToHost);
-  return rc == hipSuccess ? std::string() : std::string(hipGetErrorString(rc));
+  auto const rc = KOKKOSMOE_GPU(Memcpy)(dst, src, bytes, KOKKOSMOE_GPU(MemcpyDeviceToHost));
+  return rc == KOKKOSMOE_GPU(Success) ? std::string() : std::string(KOKKOSMOE_GPU(GetErrorString)(rc));
 }
 
 #else
