@@ -757,6 +757,9 @@ class HierarchicalDedupExchange : public Impl::ExchangeBase<ExecutionSpace, Memo
     Kokkos::parallel_for(
         "KokkosMoE::HierarchicalDedupExchange::partial_sums", policy, KOKKOS_LAMBDA(typename policy_t::member_type const& team) {
           index_t const u = team.league_rank();
+          // (in_type read here, not first in the branches below: CUDA's
+          // extended lambdas may not first-capture in a constexpr-if.)
+          PayloadType const in = in_type;
           scratch_t acc(team.team_scratch(level), d);
           Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](int c) { acc(c) = 0.0f; });
           for (int i = 0; i < k; ++i) {
@@ -765,10 +768,10 @@ class HierarchicalDedupExchange : public Impl::ExchangeBase<ExecutionSpace, Memo
             float const g = unit_gate(u, i);
             unsigned char const* row = &rows(p, 0);
             if constexpr (KokkosMoE::Impl::runs_on_host<Exec>()) {
-              KokkosMoE::Impl::axpy_row(acc.data(), row, in_type, g, d);  // the combine's row loop (bf16/fp32 vectorised)
+              KokkosMoE::Impl::axpy_row(acc.data(), row, in, g, d);  // the combine's row loop (bf16/fp32 vectorised)
             } else {
               Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d),
-                                   [&](int c) { acc(c) += Compat::mul_rn(g, KokkosMoE::Impl::payload_load(in_type, row, d, c)); });
+                                   [&](int c) { acc(c) += Compat::mul_rn(g, KokkosMoE::Impl::payload_load(in, row, d, c)); });
             }
           }
           KokkosMoE::Impl::encode_row(team, out_type, d, [&](int c) { return acc(c); }, &obytes(u, 0));

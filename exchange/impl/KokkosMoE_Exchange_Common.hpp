@@ -194,6 +194,36 @@ class ExchangeBase {
   /// workspace and its transport's staging).
   std::int64_t held_bytes() const { return work_.held_bytes() + transport_->held_bytes(); }
 
+  /// \brief pack_local for a send from the hidden rows (sends_from_hidden):
+  /// the same checks and metadata, no packed rows. `send` becomes hidden's
+  /// rows as bytes (a contiguous copy only where hidden's rows have gaps)
+  /// and `rows` the hidden row of every send position (its token). (Public:
+  /// CUDA forbids extended lambdas in protected members.)
+  template <class T>
+  std::string gather_local(Exec const& exec, DispatchHandle<T, MemorySpace>& h, RoutePlan<MemorySpace> const& routes,
+                           DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden, int waves,
+                           typename RowSet<MemorySpace>::rows_view& send, Kokkos::View<RowMeta*, MemorySpace>& meta,
+                           std::shared_ptr<std::vector<int> const>& rows) {
+    return problem_of([&] {
+      check_dispatch(h, hidden, waves, /*slot_runs=*/true);
+      KOKKOSMOE_REQUIRE(static_cast<index_t>(hidden.extent(0)) == routes.num_tokens && hidden.extent(0) <= INT_MAX,
+                        "pack: hidden has " << hidden.extent(0) << " rows for " << routes.num_tokens << " tokens");
+      auto const source = contiguous_rows(exec, hidden);
+      send = row_bytes_of(source);
+      meta = work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
+      pack_meta(exec, routes, plan, meta);
+      auto token_of = work_.template vector<int>(exec, "send_tokens", plan.rows());
+      auto perm = plan.perm;
+      auto token = routes.token;
+      Kokkos::parallel_for(
+          "KokkosMoE::Exchange::send_tokens", Kokkos::RangePolicy<Exec>(exec, 0, plan.rows()),
+          KOKKOS_LAMBDA(index_t p) { token_of(p) = token(perm(p)); });
+      Compat::fence(exec, "KokkosMoE::Exchange::send_tokens");
+      // Host memory (sends_from_hidden): the indices are read where they are.
+      rows = std::make_shared<std::vector<int> const>(token_of.data(), token_of.data() + plan.rows());
+    });
+  }
+
  protected:
   /// Keeps a reference to comms (which must outlive the exchange) and a copy
   /// of the placement generation it moves rows for. With a registry, every
@@ -341,35 +371,6 @@ class ExchangeBase {
   bool sends_from_hidden() const {
     return transport_->gathers_runs() && Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemorySpace>::accessible &&
            comms_->topology().single_host();
-  }
-
-  /// \brief pack_local for a send from the hidden rows (sends_from_hidden):
-  /// the same checks and metadata, no packed rows. `send` becomes hidden's
-  /// rows as bytes (a contiguous copy only where hidden's rows have gaps)
-  /// and `rows` the hidden row of every send position (its token).
-  template <class T>
-  std::string gather_local(Exec const& exec, DispatchHandle<T, MemorySpace>& h, RoutePlan<MemorySpace> const& routes,
-                           DispatchPlan<MemorySpace> const& plan, RowMatrix<T, MemorySpace> const& hidden, int waves,
-                           typename RowSet<MemorySpace>::rows_view& send, Kokkos::View<RowMeta*, MemorySpace>& meta,
-                           std::shared_ptr<std::vector<int> const>& rows) {
-    return problem_of([&] {
-      check_dispatch(h, hidden, waves, /*slot_runs=*/true);
-      KOKKOSMOE_REQUIRE(static_cast<index_t>(hidden.extent(0)) == routes.num_tokens && hidden.extent(0) <= INT_MAX,
-                        "pack: hidden has " << hidden.extent(0) << " rows for " << routes.num_tokens << " tokens");
-      auto const source = contiguous_rows(exec, hidden);
-      send = row_bytes_of(source);
-      meta = work_.template vector<RowMeta>(exec, "send_meta", plan.rows());
-      pack_meta(exec, routes, plan, meta);
-      auto token_of = work_.template vector<int>(exec, "send_tokens", plan.rows());
-      auto perm = plan.perm;
-      auto token = routes.token;
-      Kokkos::parallel_for(
-          "KokkosMoE::Exchange::send_tokens", Kokkos::RangePolicy<Exec>(exec, 0, plan.rows()),
-          KOKKOS_LAMBDA(index_t p) { token_of(p) = token(perm(p)); });
-      Compat::fence(exec, "KokkosMoE::Exchange::send_tokens");
-      // Host memory (sends_from_hidden): the indices are read where they are.
-      rows = std::make_shared<std::vector<int> const>(token_of.data(), token_of.data() + plan.rows());
-    });
   }
 
   /// \brief The expert-major places of a dispatch whose rows go straight
