@@ -179,8 +179,9 @@ EOF
     [ "$rc" -ne 0 ] || fail "the job succeeded although a link was down"
     [ "$took" -le "$limit" ] || fail "the job took $took s to end (watchdog $watchdog s + 30 s = $limit s)"
     # A watched collective names the ranks that did not answer; a transfer
-    # wait names the peers it still waits for. Either names host and node.
-    grep -qE "(no answer from rank|still waiting to receive from).* on host ${name}-h[01], node [01]" "$work/long.log" ||
+    # wait names the peers it still waits for: then a rank of one host
+    # (ranks 0-1 on h0, 2-3 on h1) must name a peer across the link.
+    grep -qE "no answer from rank.* on host ${name}-h[01], node [01]|\(rank [01]\):.*still waiting to receive from.* on host ${name}-h1, node 1|\(rank [23]\):.*still waiting to receive from.* on host ${name}-h0, node 0" "$work/long.log" ||
       fail "no message naming the unreachable peer's host and node"
     ;;
 esac
